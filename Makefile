@@ -1,0 +1,38 @@
+# Whale for PyTorch: `make train` runs the main job, `make test` runs the tests.
+# Both create and reuse .venv; torch is pinned exactly here (a range would pull a CUDA build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+NPROC ?= 4
+TRAIN_ARGS ?=
+
+.PHONY: setup train test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) numpy
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+data/shakespeare/.ready: $(STAMP) examples/gpt/data.py
+	$(PY) -m examples.gpt.data --fetch
+
+train: $(STAMP) data/shakespeare/.ready
+	$(VENV)/bin/whale launch -n $(NPROC) examples/gpt/train.py $(TRAIN_ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/dp_overhead.py --out benchmarks/results/dp_overhead.json
+
+clean:
+	rm -rf $(VENV) data/shakespeare checkpoints

@@ -1,0 +1,180 @@
+"""A GPT-style decoder with Whale annotations in the model code.
+
+Token + learned positional embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention through
+``scaled_dot_product_attention``, GELU MLP of width 4x), a final LayerNorm and an LM head whose weight is tied
+to the token embedding. ``forward(idx [B, T]) -> logits [B, T, vocab]``; the loss is computed outside.
+
+Pipeline annotations: with ``stages > 1`` the blocks are built in contiguous groups, each group constructed
+inside ``with wh.replicate(1):`` so that every group is one TaskGraph (one pipeline stage). Embeddings,
+``ln_f`` and the head are built outside any scope (default strategy); the library places them.
+
+The forward is ``torch.fx.symbolic_trace``-able: no unpacking of ``x.size()``, no control flow on tensor values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Model sizes. ``block_size`` is the longest context (positional table size)."""
+
+    vocab_size: int = 2048
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, T, 3C] -> [B, T, 3, H, D] -> [3, B, H, T, D]
+        qkv = self.c_attn(x).unflatten(-1, (3, self.n_head, -1)).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).flatten(-2)  # [B, H, T, D] -> [B, T, C]
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: [B, T, C] -> [B, T, 4C] (GELU) -> [B, T, C]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def stage_layer_counts(n_layer: int, stages: int, stage_layers: list[int] | None = None) -> list[int]:
+    """Layers per stage: ``stage_layers`` if given (validated), else as even as possible (earlier stages
+    get the remainder), e.g. ``(5, 2) -> [3, 2]``."""
+    if stage_layers is not None:
+        counts = [int(c) for c in stage_layers]
+        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 1:
+            raise ValueError(f"stage_layers={counts} must be {stages} positive counts summing to n_layer={n_layer}")
+        return counts
+    if not 1 <= stages <= n_layer:
+        raise ValueError(f"stages={stages} must be between 1 and n_layer={n_layer}")
+    base, rem = divmod(n_layer, stages)
+    return [base + (1 if s < rem else 0) for s in range(stages)]
+
+
+def _stage_scope(stages: int):
+    """``wh.replicate(1)`` for a pipeline stage, or no scope when the model is not pipelined."""
+    if stages == 1:
+        return contextlib.nullcontext()
+    import whale as wh
+
+    return wh.replicate(1)
+
+
+class GPT(nn.Module):
+    """GPT decoder: ``forward(idx [B, T] int64) -> logits [B, T, vocab_size]``.
+
+    Args:
+        cfg: model sizes.
+        stages: number of pipeline stages; > 1 builds the blocks in that many ``wh.replicate(1)`` scopes.
+        stage_layers: optional explicit blocks per stage (e.g. ``[3, 1]``), summing to ``cfg.n_layer``.
+    """
+
+    def __init__(self, cfg: GPTConfig, stages: int = 1, stage_layers: list[int] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.stage_layers = stage_layer_counts(cfg.n_layer, stages, stage_layers)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        blocks: list[Block] = []
+        for count in self.stage_layers:
+            with _stage_scope(stages):
+                blocks.extend(Block(cfg) for _ in range(count))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: int64 [B, T] with T <= block_size -> logits float [B, T, vocab_size]."""
+        pos = torch.arange(idx.size(1), device=idx.device)  # [T]
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # [B, T, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        """Parameter count, the tied embedding/head weight counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after the prompt ``idx`` [B, T0]; returns [B, T0 + max_new_tokens].
+
+        The context is cropped to the last ``block_size`` tokens. ``top_k`` keeps the k most likely tokens.
+        """
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / max(temperature, 1e-5)  # [B, V]
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # [B, 1]
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return idx

@@ -1,0 +1,110 @@
+"""Executor of a schedule (see :mod:`whale.parallel.schedule`) for one rank: one stage of one lane.
+
+With one stage, the same executor is plain gradient accumulation: ``F0 B0 F1 B1 ...``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from whale.parallel import p2p
+from whale.parallel.schedule import Action
+
+
+@dataclass
+class StageRun:
+    """Everything one rank needs to run its stage for one step.
+
+    Attributes:
+        module: the stage module; ``module(*inputs)`` returns a tuple of boundary values, or the model output
+            on the last stage.
+        stage, num_stages: this stage's index and the pipeline depth.
+        prev_rank, next_rank: global ranks of the neighbouring stages of this lane (``None`` at the ends).
+        inputs: per micro-batch, the model's forward arguments (used on stage 0 only).
+        targets: per micro-batch, the loss target (used on the last stage only).
+        scales: per micro-batch, ``rows / global_batch``: the weight of its mean loss in the global mean.
+        loss_fn: ``loss_fn(output, target) -> scalar`` mean over the micro-batch's samples.
+        device: where received tensors are put.
+        before_last_backward: called right before the last micro-batch's backward (arms gradient sync).
+    """
+
+    module: torch.nn.Module
+    stage: int
+    num_stages: int
+    prev_rank: int | None
+    next_rank: int | None
+    inputs: list[tuple]
+    targets: list
+    scales: list[float]
+    loss_fn: Callable
+    device: torch.device
+    before_last_backward: Callable[[], None] = lambda: None
+    busy: float = 0.0
+    loss_sum: float = 0.0
+    _live: dict = field(default_factory=dict)
+    _sends: list = field(default_factory=list)
+
+    @property
+    def is_first(self) -> bool:
+        """True on stage 0."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the last stage (computes the loss)."""
+        return self.stage == self.num_stages - 1
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _forward(run: StageRun, mb: int, grad: bool) -> None:
+    inputs = _as_tuple(run.inputs[mb]) if run.is_first else p2p.recv_values(run.prev_rank, run.device)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(grad):
+        out = run.module(*inputs)
+        if run.is_last:
+            loss = run.loss_fn(out, run.targets[mb]) * run.scales[mb]
+            run.loss_sum += float(loss.detach())
+            out = loss
+    run.busy += time.perf_counter() - start
+    if not run.is_last:
+        run._sends += p2p.send_values(out, run.next_rank, run.device)
+    if grad:
+        run._live[mb] = (inputs, out)
+
+
+def _backward(run: StageRun, mb: int, last: bool) -> None:
+    inputs, out = run._live.pop(mb)
+    if run.is_last:
+        tensors, grads = [out], [None]
+    else:
+        grads = p2p.recv_grads(out, run.next_rank)
+        tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
+    if last:
+        run.before_last_backward()
+    start = time.perf_counter()
+    if tensors:
+        torch.autograd.backward(tensors, grads if not run.is_last else None)
+    run.busy += time.perf_counter() - start
+    if not run.is_first:
+        run._sends += p2p.send_grads(inputs, run.prev_rank)
+
+
+def execute(run: StageRun, actions: list[Action], num_micro_batch: int, train: bool = True) -> StageRun:
+    """Run ``actions`` for this rank; returns ``run`` with ``busy`` (seconds of compute) and ``loss_sum``
+    (on the last stage: sum of scaled micro-batch losses) filled in. In eval mode only forwards run."""
+    for a in actions:
+        if a.kind == "F":
+            _forward(run, a.mb, grad=train)
+        elif train:
+            _backward(run, a.mb, last=a.mb == num_micro_batch - 1)
+    for work, _ in run._sends:
+        work.wait()
+    run._sends.clear()
+    return run

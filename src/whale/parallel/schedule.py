@@ -1,0 +1,166 @@
+"""Pipeline schedules as data: one list of actions per stage (DESIGN.md §2, §7).
+
+An action is ``F{m}`` (forward of micro-batch m) or ``B{m}`` (backward of m). Communication is implied:
+``F`` on stage s > 0 first receives its inputs from stage s-1, ``F`` on s < S-1 then sends its outputs to
+s+1; ``B`` on s < S-1 first receives output gradients from s+1 and ``B`` on s > 0 then sends input gradients
+to s-1. Sends are asynchronous, receives block: :func:`validate` checks that a schedule cannot deadlock
+under these rules.
+
+Sources: GPipe (Huang et al., 2019) runs all forwards, then all backwards; 1F1B (PipeDream-Flush,
+Narayanan et al., 2021) runs ``S - s`` warm-up forwards on stage s, then alternates one forward and one
+backward, bounding in-flight micro-batches on stage s by ``S - s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed or would deadlock; the message names stage, action and reason."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of stage work: ``kind`` ``"F"`` or ``"B"`` for micro-batch ``mb``."""
+
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}"
+
+
+Schedule = list[list[Action]]
+
+
+def gpipe(num_stages: int, num_micro_batch: int) -> Schedule:
+    """GPipe: every stage runs ``F0..F{m-1}`` then ``B0..B{m-1}``."""
+    _check_sizes(num_stages, num_micro_batch)
+    one = [Action("F", i) for i in range(num_micro_batch)] + [Action("B", i) for i in range(num_micro_batch)]
+    return [list(one) for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_micro_batch: int) -> Schedule:
+    """1F1B: stage s warms up with ``min(S - s, m)`` forwards, then alternates B and F, then drains."""
+    _check_sizes(num_stages, num_micro_batch)
+    out: Schedule = []
+    for s in range(num_stages):
+        warm = min(num_stages - s, num_micro_batch)
+        acts = [Action("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while b < num_micro_batch:
+            acts.append(Action("B", b))
+            b += 1
+            if f < num_micro_batch:
+                acts.append(Action("F", f))
+                f += 1
+        out.append(acts)
+    return out
+
+
+def make_schedule(kind: str, num_stages: int, num_micro_batch: int) -> Schedule:
+    """Build the named schedule (``"1F1B"`` or ``"GPipe"``) and validate it."""
+    builders = {"1F1B": one_f_one_b, "GPipe": gpipe}
+    if kind not in builders:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {sorted(builders)}")
+    sched = builders[kind](num_stages, num_micro_batch)
+    validate(sched, num_micro_batch)
+    return sched
+
+
+def _check_sizes(num_stages: int, num_micro_batch: int) -> None:
+    if num_stages < 1 or num_micro_batch < 1:
+        raise ScheduleError(f"need >= 1 stage and >= 1 micro-batch, got {num_stages} and {num_micro_batch}")
+
+
+def validate(schedule: Schedule, num_micro_batch: int) -> None:
+    """Check a schedule: each stage runs F and B of every micro-batch exactly once, F before B, and the
+    whole pipeline completes when receives block and sends do not (every send is matched by a receive).
+
+    Raises:
+        ScheduleError: naming the stage and the offending action, or the actions stuck in a deadlock.
+    """
+    for s, acts in enumerate(schedule):
+        for kind in "FB":
+            got = sorted(a.mb for a in acts if a.kind == kind)
+            if got != list(range(num_micro_batch)):
+                raise ScheduleError(f"stage {s}: {kind} actions cover micro-batches {got}, "
+                                    f"expected each of 0..{num_micro_batch - 1} once")
+        seen: set[int] = set()
+        for a in acts:
+            if a.kind == "F":
+                seen.add(a.mb)
+            elif a.mb not in seen:
+                raise ScheduleError(f"stage {s}: B{a.mb} comes before F{a.mb}")
+    _simulate_order(schedule)
+
+
+def _ready(schedule: Schedule, s: int, a: Action, done: set[tuple[int, str, int]]) -> bool:
+    last = len(schedule) - 1
+    if a.kind == "F":
+        return s == 0 or (s - 1, "F", a.mb) in done
+    return s == last or (s + 1, "B", a.mb) in done
+
+
+def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """Run the schedule in lock-step rounds; return the global completion order or raise on deadlock."""
+    pos = [0] * len(schedule)
+    done: set[tuple[int, str, int]] = set()
+    order: list[tuple[int, Action]] = []
+    while any(p < len(acts) for p, acts in zip(pos, schedule, strict=True)):
+        progressed = False
+        for s, acts in enumerate(schedule):
+            if pos[s] < len(acts) and _ready(schedule, s, acts[pos[s]], done):
+                a = acts[pos[s]]
+                done.add((s, a.kind, a.mb))
+                order.append((s, a))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = [f"stage {s} waits at {acts[pos[s]]}" for s, acts in enumerate(schedule) if pos[s] < len(acts)]
+            raise ScheduleError("schedule deadlocks: " + "; ".join(stuck))
+    return order
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Largest number of micro-batches whose forward ran but whose backward has not (activation memory)."""
+    live, peak = 0, 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float = 0.0) -> dict:
+    """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch) and a fixed
+    P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy": [..], "idle_share": [..]}``.
+
+    With equal stages and ``comm = 0`` the idle share of every stage is (p-1)/(m+p-1) (DESIGN.md §7).
+    """
+    last = len(schedule) - 1
+    finish: dict[tuple[int, str, int], float] = {}
+    clock = [0.0] * len(schedule)
+    for s, a in _simulate_order(schedule):
+        dep = 0.0
+        if a.kind == "F" and s > 0:
+            dep = finish[(s - 1, "F", a.mb)] + comm
+        if a.kind == "B" and s < last:
+            dep = finish[(s + 1, "B", a.mb)] + comm
+        start = max(clock[s], dep)
+        clock[s] = start + (fwd[s] if a.kind == "F" else bwd[s])
+        finish[(s, a.kind, a.mb)] = clock[s]
+    step = max(clock)
+    m = len(schedule[0]) // 2
+    busy = [m * (fwd[s] + bwd[s]) for s in range(len(schedule))]
+    return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy]}
+
+
+def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
+    """Theoretical idle share of a stage on equal stages: (p-1)/(m+p-1)."""
+    return (num_stages - 1) / (num_micro_batch + num_stages - 1)
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """Readable printout, one line per stage: ``stage 0: F0 F1 B0 F2 B1 ...``."""
+    return "\n".join(f"stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(schedule))

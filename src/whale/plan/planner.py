@@ -1,0 +1,106 @@
+"""The planner: a pure function from a model summary, world size and config to a :class:`Plan` (DESIGN.md §7).
+
+It resolves each TaskGraph's device count, the nested data-parallel degree K and the per-lane load shares.
+It touches no process group and no tensor; the hardware-aware search of later issues plugs in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from whale.config import Config
+from whale.plan.plan import Plan, PlanError, TaskGraph
+
+
+@dataclass
+class TaskGraphSummary:
+    """What the annotations and the stage cut say about one TaskGraph, before devices are assigned.
+
+    Attributes:
+        kind: ``"replicate"`` or ``"split"``.
+        device_count: devices requested per replica (``None`` = default, see :func:`make_plan`).
+        modules: module FQNs it holds (compressed).
+        num_params: parameter elements it holds.
+        nested: nested scopes, e.g. a ``split`` inside a ``replicate``.
+    """
+
+    kind: str
+    device_count: int | None
+    modules: list[str] = field(default_factory=list)
+    num_params: int = 0
+    nested: list[dict] = field(default_factory=list)
+
+
+def _scope_text(tgs: list[TaskGraphSummary], counts: list[int]) -> str:
+    names = " + ".join(f"{tg.kind}({c})" for tg, c in zip(tgs, counts, strict=True))
+    return f"{names} need {'+'.join(map(str, counts))} = {sum(counts)} devices per replica"
+
+
+def resolve_device_counts(tgs: list[TaskGraphSummary], world_size: int) -> tuple[list[int], int]:
+    """Devices per replica for each TaskGraph and the nested data-parallel degree K.
+
+    ``device_count=None`` means all devices when there is one TaskGraph, and 1 device per replica when there
+    are several (nested data parallelism then copies the pipeline over the rest of the world).
+
+    Raises:
+        PlanError: the world size is not a multiple of the devices one replica needs.
+    """
+    if len(tgs) == 1:
+        counts = [tgs[0].device_count or world_size]
+    else:
+        counts = [tg.device_count or 1 for tg in tgs]
+    per_replica = sum(counts)
+    if world_size % per_replica:
+        lo = per_replica * max(1, world_size // per_replica)
+        raise PlanError(
+            f"{_scope_text(tgs, counts)} but world size {world_size} is not a multiple of {per_replica}; "
+            f"launch {lo} or {lo + per_replica} processes, or change the device counts"
+        )
+    return counts, world_size // per_replica
+
+
+def make_plan(
+    tgs: list[TaskGraphSummary],
+    world_size: int,
+    config: Config,
+    shared_params: list[list[str]] | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    """Build the plan (pure function).
+
+    Args:
+        tgs: TaskGraphs in model order (each a pipeline stage when there are several).
+        world_size: number of ranks.
+        config: validated :class:`Config` (micro-batches, schedule, load shares).
+        shared_params: parameter names held by several stages (tied weights).
+        notes: extra lines for the printout.
+
+    Raises:
+        PlanError: device counts do not fit the world size; ``load_shares`` has the wrong length.
+    """
+    if world_size < 1:
+        raise PlanError(f"world size {world_size} must be >= 1")
+    if not tgs:
+        raise PlanError("the model has no TaskGraphs (no parameters?)")
+    counts, k = resolve_device_counts(tgs, world_size)
+    lanes = k * counts[0]
+    weights = list(config.load_shares) if config.load_shares else [1.0] * lanes
+    if len(weights) != lanes and len(set(counts)) == 1:
+        raise PlanError(
+            f"load_shares has {len(weights)} entries but the plan has {lanes} data-parallel lanes "
+            f"({k} replica(s) x {counts[0]} devices per stage); give one share per lane"
+        )
+    task_graphs = [
+        TaskGraph(i, tg.kind, c, list(tg.modules), tg.num_params, list(tg.nested))
+        for i, (tg, c) in enumerate(zip(tgs, counts, strict=True))
+    ]
+    return Plan(
+        world_size=world_size,
+        task_graphs=task_graphs,
+        num_replicas=k,
+        num_micro_batch=config.num_micro_batch,
+        schedule=config.schedule,
+        lane_weights=weights,
+        shared_params=list(shared_params or []),
+        notes=list(notes or []),
+    )

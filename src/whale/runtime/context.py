@@ -1,0 +1,69 @@
+"""``whale.init``: join (or create) the process group and fix the RNG so every replica starts equal."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from whale.config import Config
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rank knows after :func:`init`: its config, rank, world size and compute device."""
+
+    config: Config
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the rank that prints and writes reports)."""
+        return self.rank == 0
+
+
+_CURRENT: list[Context] = []
+
+
+def init(config: Config | None = None) -> Context:
+    """Initialize Whale on this process and return its :class:`Context`.
+
+    Joins the ``torch.distributed`` process group that ``torchrun``/``whale launch`` describes through the
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), or, when started as a plain script, creates a
+    one-process group. Backend: ``config.backend`` or NCCL when CUDA is available, else gloo. Seeds torch's
+    RNG with ``config.seed`` on every rank so models built next are identical. If a process group already
+    exists (tests, or a user who created it), it is reused.
+
+    The returned context is also remembered as the default for :func:`whale.parallelize` (the way
+    ``torch.distributed`` remembers its default group); pass ``ctx=`` there to be explicit.
+    """
+    config = config or Config()
+    if config.cluster is None and os.environ.get("WHALE_CLUSTER"):
+        config = config.replace(cluster=os.environ["WHALE_CLUSTER"])
+    cuda = torch.cuda.is_available() and config.backend != "gloo"
+    backend = config.backend or ("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(config.seed)
+    ctx = Context(config, rank, world, device)
+    _CURRENT[:] = [ctx]
+    return ctx
+
+
+def current_context() -> Context:
+    """The context made by the latest :func:`init` (calls ``init()`` with defaults if there is none)."""
+    return _CURRENT[0] if _CURRENT else init()

@@ -1,0 +1,199 @@
+"""The engine: executes a :class:`~whale.plan.plan.Plan` on this rank. It decides nothing: batch rows,
+groups, schedule and stage all come from the plan."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from whale.parallel.data import GradSync, broadcast_params
+from whale.parallel.pipeline import StageRun, execute
+from whale.parallel.schedule import Action, make_schedule
+from whale.plan.plan import Plan
+from whale.runtime import checkpoint
+from whale.runtime.context import Context
+
+
+def _slice(x, start: int, stop: int):
+    if isinstance(x, torch.Tensor):
+        return x[start:stop]
+    if isinstance(x, tuple | list):
+        return type(x)(_slice(v, start, stop) for v in x)
+    return x
+
+
+def _batch_size(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.size(0)
+    if isinstance(x, tuple | list) and x:
+        return _batch_size(x[0])
+    raise TypeError(f"cannot find the batch dimension of {type(x).__name__}: pass tensors (dim 0 = samples)")
+
+
+def _build_groups(plan: Plan, shared_stages: list[list[int]]) -> dict[tuple[int, ...], object]:
+    """Create every process group the plan needs, in the same order on all ranks."""
+    sets = [tuple(plan.stage_ranks(s)) for s in range(plan.num_stages)]
+    for stages in shared_stages:
+        sets.append(tuple(sorted(r for s in stages for r in plan.stage_ranks(s))))
+    groups: dict[tuple[int, ...], object] = {}
+    for ranks in sets:
+        if ranks not in groups:
+            groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+    return groups
+
+
+class Engine:
+    """Runs training steps of one rank's stage under a plan. Made by :func:`whale.parallelize`.
+
+    Attributes:
+        plan: the plan (print it for a readable table).
+        module: this rank's stage module (the whole model when there is one stage); original FQNs.
+        optimizer: the optimizer over this rank's parameters (attach LR schedulers to it).
+        stage, lane: this rank's pipeline stage and data-parallel lane.
+    """
+
+    def __init__(self, plan: Plan, module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                 ctx: Context, shared_stages: list[list[int]] | None = None) -> None:
+        self.plan, self.module, self.loss_fn, self.optimizer, self.ctx = plan, module, loss_fn, optimizer, ctx
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.stage, self.lane = plan.coords(ctx.rank)
+        self.module.to(ctx.device)
+        self.actions: list[Action] = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
+        self.steps_done = 0
+        self._history: deque = deque(maxlen=20)
+        groups = _build_groups(plan, shared_stages or []) if ctx.world_size > 1 else {}
+        self._param_groups = self._sync_sets(groups, shared_stages or [])
+        src = {g: min(r) for r, g in groups.items() if g is not None}
+        broadcast_params(self._param_groups, src)
+        self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
+
+    def _sync_sets(self, groups, shared_stages) -> list[tuple[object, list[nn.Parameter]]]:
+        if not groups:
+            return [(None, list(self.module.parameters()))]
+        shared_ids: set[int] = set()
+        out = []
+        for names, stages in zip(self.plan.shared_params, shared_stages, strict=True):
+            if self.stage not in stages:
+                continue
+            ranks = tuple(sorted(r for s in stages for r in self.plan.stage_ranks(s)))
+            local = dict(self.module.named_parameters(remove_duplicate=False))
+            param = next(local[n] for n in names if n in local)
+            shared_ids.add(id(param))
+            out.append((groups[ranks], [param]))
+        own = [p for p in self.module.parameters() if id(p) not in shared_ids]
+        out.insert(0, (groups[tuple(self.plan.stage_ranks(self.stage))], own))
+        return out
+
+    # --- stepping ----------------------------------------------------------------------------------------
+    def _stage_run(self, batch) -> StageRun:
+        inputs, target = batch
+        total = _batch_size(inputs)
+        rows = self.plan.micro_batch_rows(total)[self.lane]
+        is_last = self.stage == self.plan.num_stages - 1
+        prev = self.plan.rank_of(self.stage - 1, self.lane) if self.stage > 0 else None
+        nxt = self.plan.rank_of(self.stage + 1, self.lane) if not is_last else None
+        dev = self.ctx.device
+        return StageRun(
+            module=self.module, stage=self.stage, num_stages=self.plan.num_stages, prev_rank=prev, next_rank=nxt,
+            inputs=[_to(_slice(inputs, a, b), dev) for a, b in rows] if self.stage == 0 else [],
+            targets=[_to(_slice(target, a, b), dev) for a, b in rows] if is_last else [],
+            scales=[(b - a) / total for a, b in rows], loss_fn=self.loss_fn, device=dev,
+            before_last_backward=self.grad_sync.arm,
+        )
+
+    def _global_loss(self, loss_sum: float) -> float:
+        if self.world_size == 1:
+            return loss_sum
+        t = torch.tensor([loss_sum], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def step(self, batch) -> dict:
+        """One optimizer step on the global mini-batch ``batch = (inputs, target)``.
+
+        ``inputs`` (a tensor or tuple of tensors, dim 0 = samples) and ``target`` must be the same global
+        batch on every rank; each rank takes its rows from the plan.
+
+        Returns:
+            ``{"loss": mean loss over the global batch, "step_time": s, "busy_time": s of this rank's compute,
+            "samples": global batch size, "stage": s, "lane": l, "sync_bytes": bytes all-reduced by this rank}``.
+
+        Raises:
+            PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
+        """
+        start = time.perf_counter()
+        self.module.train()
+        run = execute(self._stage_run(batch), self.actions, self.plan.num_micro_batch, train=True)
+        before = self.grad_sync.bytes_reduced
+        self.grad_sync.finish()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._global_loss(run.loss_sum)
+        elapsed = time.perf_counter() - start
+        self.steps_done += 1
+        self._history.append((run.busy, elapsed))
+        return {"loss": loss, "step_time": elapsed, "busy_time": run.busy, "samples": _batch_size(batch[0]),
+                "stage": self.stage, "lane": self.lane, "sync_bytes": self.grad_sync.bytes_reduced - before}
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> dict:
+        """Forward only (eval mode) on the global batch; returns ``{"loss": mean over the global batch}``."""
+        self.module.eval()
+        fwd = [a for a in self.actions if a.kind == "F"]
+        run = execute(self._stage_run(batch), fwd, self.plan.num_micro_batch, train=False)
+        self.module.train()
+        return {"loss": self._global_loss(run.loss_sum)}
+
+    def stage_stats(self) -> list[dict]:
+        """Per stage, mean busy (compute) and step seconds over recent steps, gathered from all ranks
+        (collective: every rank must call it). Idle share = 1 - busy/step."""
+        mine = [sum(b for b, _ in self._history), sum(t for _, t in self._history), len(self._history)]
+        allv = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(allv, (self.stage, mine))
+        else:
+            allv = [(self.stage, mine)]
+        out = []
+        for s in range(self.plan.num_stages):
+            rows = [v for st, v in allv if st == s and v[2]]
+            busy = sum(r[0] / r[2] for r in rows) / max(1, len(rows))
+            step = sum(r[1] / r[2] for r in rows) / max(1, len(rows))
+            out.append({"stage": s, "busy": busy, "step": step, "idle_share": 1 - busy / step if step else 0.0})
+        return out
+
+    # --- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of :meth:`state_dict` for the same plan."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = int(state.get("step", 0))
+
+    def full_state_dict(self) -> dict:
+        """The whole model's state dict (original names, CPU tensors) on rank 0; ``{}`` elsewhere.
+        Collective: every rank must call it."""
+        return checkpoint.gather_full_state(self)
+
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
+        """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path``."""
+        checkpoint.save(self, path, extra or {})
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote (same plan); returns the saved ``extra``."""
+        return checkpoint.load(self, path)
+
+
+def _to(x, device: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, tuple | list):
+        return type(x)(_to(v, device) for v in x)
+    return x

@@ -1,0 +1,216 @@
+"""Launcher: run a training script on N worker processes per node through ``torchrun``.
+
+``whale launch`` is a thin, predictable wrapper around ``python -m torch.distributed.run``:
+
+* one machine: ``--standalone --nproc-per-node N`` (torchrun picks a free port itself);
+* several machines: torchrun's rendezvous flags are passed through unchanged (static rendezvous with
+  ``--nnodes/--node-rank/--master-addr/--master-port``, or dynamic with ``--rdzv-backend/--rdzv-endpoint/
+  --rdzv-id``); as soon as any of them is given, ``--standalone`` is dropped so that they take effect.
+
+Workers additionally receive ``WHALE_CLUSTER`` (the absolute path of the cluster spec, read later by the
+library) and ``OMP_NUM_THREADS`` (1 unless the user set it, or the value of ``--threads``). Everything after
+the script path reaches the script untouched. The pure parts (:func:`torchrun_args`, :func:`worker_env`) are
+separate from :func:`launch`, which only runs the command and returns torchrun's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["LaunchError", "torchrun_args", "torchrun_command", "worker_env", "launch"]
+
+# Flags that configure the rendezvous; any of them switches the launch from --standalone to multi-node.
+_RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+
+# Seconds to let torchrun shut its workers down after an interrupt before it is killed.
+_SHUTDOWN_GRACE_S = 30.0
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work (bad process count, missing script or cluster spec, ...)."""
+
+
+def _check_nnodes(nnodes: int | str) -> None:
+    """Accept ``N`` or torchrun's elastic ``MIN:MAX`` form, with positive integers."""
+    parts = str(nnodes).split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(parts) not in (1, 2) or len(values) != len(parts) or min(values) < 1:
+        raise LaunchError(f"--nnodes must be a positive integer or MIN:MAX, got {nnodes!r}")
+    if len(values) == 2 and values[0] > values[1]:
+        raise LaunchError(f"--nnodes {nnodes!r}: minimum is larger than maximum")
+
+
+def _check_rdzv(nnodes, node_rank, master_port, max_restarts) -> None:
+    """Validate the numeric rendezvous options; raise :class:`LaunchError` with the offending flag."""
+    if nnodes is not None:
+        _check_nnodes(nnodes)
+    if node_rank is not None:
+        if node_rank < 0:
+            raise LaunchError(f"--node-rank must be >= 0, got {node_rank}")
+        if nnodes is not None and ":" not in str(nnodes) and node_rank >= int(nnodes):
+            raise LaunchError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes}")
+    if master_port is not None and not 1 <= master_port <= 65535:
+        raise LaunchError(f"--master-port must be in 1..65535, got {master_port}")
+    if max_restarts is not None and max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
+
+
+def torchrun_args(
+    nproc: int,
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    *,
+    nnodes: int | str | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_backend: str | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int | None = None,
+) -> list[str]:
+    """Build the argument list for ``python -m torch.distributed.run`` (without the interpreter part).
+
+    Args:
+        nproc: worker processes on this node (``--nproc-per-node``), at least 1.
+        script: the training script; it is not checked here (see :func:`launch`).
+        script_args: arguments for the script, passed after it verbatim.
+        nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_id: torchrun's
+            rendezvous flags. When all are ``None`` the launch is single-machine (``--standalone``);
+            otherwise the given ones are passed through and ``--standalone`` is omitted.
+        max_restarts: torchrun's ``--max-restarts`` (allowed with either mode).
+
+    Returns:
+        e.g. ``["--standalone", "--nproc-per-node", "2", "train.py", "--steps", "5"]``.
+
+    Raises:
+        LaunchError: ``nproc < 1``, a malformed ``nnodes``, a negative or out-of-range ``node_rank``,
+            a port outside 1..65535, or negative ``max_restarts``.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise LaunchError(f"-n/--nproc-per-node must be an integer >= 1, got {nproc!r}")
+    _check_rdzv(nnodes, node_rank, master_port, max_restarts)
+    rdzv = {
+        "nnodes": nnodes,
+        "node_rank": node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "rdzv_backend": rdzv_backend,
+        "rdzv_endpoint": rdzv_endpoint,
+        "rdzv_id": rdzv_id,
+    }
+    given = {k: v for k, v in rdzv.items() if v is not None}
+    args = [] if given else ["--standalone"]
+    args += ["--nproc-per-node", str(nproc)]
+    for key in _RDZV_FLAGS:
+        if key in given:
+            args += ["--" + key.replace("_", "-"), str(given[key])]
+    if max_restarts is not None:
+        args += ["--max-restarts", str(max_restarts)]
+    return [*args, os.fspath(script), *script_args]
+
+
+def torchrun_command(args: Sequence[str], python: str | None = None) -> list[str]:
+    """The full command line: ``[python, "-m", "torch.distributed.run", *args]`` (default: this interpreter)."""
+    return [python or sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def worker_env(
+    base: Mapping[str, str] | None = None,
+    *,
+    cluster: str | os.PathLike | None = None,
+    threads: int | None = None,
+) -> dict[str, str]:
+    """The environment for torchrun and its workers.
+
+    Starts from ``base`` (default ``os.environ``), exports ``WHALE_CLUSTER`` as the absolute path of
+    ``cluster`` (which must be an existing file), and sets ``OMP_NUM_THREADS`` to ``threads`` if given,
+    else to 1 unless ``base`` already sets it.
+
+    Raises:
+        LaunchError: the cluster spec does not exist or is not a file, or ``threads < 1``.
+    """
+    env = dict(os.environ if base is None else base)
+    if cluster is not None:
+        path = Path(cluster).expanduser()
+        if not path.is_file():
+            raise LaunchError(f"--cluster: cluster spec {os.fspath(cluster)!r} does not exist or is not a file")
+        env["WHALE_CLUSTER"] = str(path.resolve())
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise LaunchError(f"--threads must be an integer >= 1, got {threads!r}")
+        env["OMP_NUM_THREADS"] = str(threads)
+    elif not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _check_script(script: str | os.PathLike) -> None:
+    """Raise :class:`LaunchError` unless ``script`` is an existing file."""
+    if not Path(script).is_file():
+        raise LaunchError(f"training script {os.fspath(script)!r} does not exist or is not a file")
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return a shell-style exit code."""
+    proc = subprocess.Popen(cmd, env=env)
+    forward = lambda signum, _frame: proc.send_signal(signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM,)}
+    try:
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches torchrun too (same process group); give it time to stop its workers.
+            try:
+                code = proc.wait(timeout=_SHUTDOWN_GRACE_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def launch(
+    nproc: int,
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    *,
+    cluster: str | os.PathLike | None = None,
+    threads: int | None = None,
+    dry_run: bool = False,
+    **rdzv,
+) -> int:
+    """Run ``script`` on ``nproc`` workers of this node through torchrun; return torchrun's exit code.
+
+    ``rdzv`` takes the keyword arguments of :func:`torchrun_args` (``nnodes``, ``node_rank``, ``master_addr``,
+    ``master_port``, ``rdzv_backend``, ``rdzv_endpoint``, ``rdzv_id``, ``max_restarts``); ``cluster`` and
+    ``threads`` shape the workers' environment (:func:`worker_env`). With ``dry_run`` the command and the
+    environment it adds are printed and nothing runs. A worker killed by a signal gives 128 + signal number.
+
+    Raises:
+        LaunchError: before anything starts, for any invalid argument, a missing script or cluster spec.
+    """
+    unknown = set(rdzv) - {*_RDZV_FLAGS, "max_restarts"}
+    if unknown:
+        raise TypeError(f"launch() got unexpected keyword arguments: {sorted(unknown)}")
+    args = torchrun_args(nproc, script, script_args, **rdzv)
+    _check_script(script)
+    env = worker_env(cluster=cluster, threads=threads)
+    cmd = torchrun_command(args)
+    if dry_run:
+        added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items()))
+        print((prefix + " " if prefix else "") + shlex.join(cmd))
+        return 0
+    return _run(cmd, env)

@@ -1,0 +1,161 @@
+"""``whale.parallelize``: annotations -> TaskGraphs -> stage cut -> plan -> an :class:`Engine` for this rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from whale.annotation import SPLIT, Scope, default_strategy, tensor_scopes, top_level
+from whale.config import Config
+from whale.parallel.stages import build_stages
+from whale.plan.plan import Plan
+from whale.plan.planner import TaskGraphSummary, make_plan
+from whale.runtime.context import Context, current_context
+from whale.runtime.engine import Engine
+
+
+def compress_names(names: set[str], all_names: list[str]) -> list[str]:
+    """Shortest list of module prefixes covering exactly ``names`` among ``all_names`` (dotted FQNs).
+
+    ``{"blocks.0.a.weight", "blocks.0.a.bias"}`` of a model whose ``blocks.0`` holds only those gives
+    ``["blocks.0"]``.
+    """
+    out: list[str] = []
+    for name in sorted(names, key=all_names.index):
+        parts = name.split(".")
+        best = name
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            under = [n for n in all_names if n.startswith(prefix + ".")]
+            if all(n in names for n in under):
+                best = prefix
+                break
+        if best not in out:
+            out.append(best)
+    return out
+
+
+def _task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[int, int], dict[str, Scope]]:
+    scopes = tensor_scopes(model)
+    tops: dict[int, Scope] = {}
+    for s in scopes.values():
+        tops.setdefault(top_level(s).uid, top_level(s))
+    ordered = [tops[u] for u in sorted(tops)] or [default_strategy()]
+    index = {s.uid: i for i, s in enumerate(ordered)}
+    stage_of: dict[int, int] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            fqn = f"{mname}.{pname}" if mname else pname
+            if t is not None and fqn in scopes:
+                stage_of.setdefault(id(t), index[top_level(scopes[fqn]).uid])
+    return ordered, stage_of, scopes
+
+
+def _summaries(model, tg_scopes, stage_modules, scopes) -> list[TaskGraphSummary]:
+    all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    all_names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    out = []
+    for scope, mod in zip(tg_scopes, stage_modules, strict=True):
+        names = {n for n, _ in mod.named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in mod.named_buffers(remove_duplicate=False)}
+        nested: dict[int, dict] = {}
+        for n in sorted(names):
+            s = scopes.get(n)
+            if s is not None and s.parent is not None and top_level(s).uid == scope.uid:
+                entry = nested.setdefault(s.uid, {"kind": s.kind, "device_count": s.device_count, "names": set()})
+                entry["names"].add(n)
+        nest = [{"kind": e["kind"], "device_count": e["device_count"],
+                 "modules": compress_names(e["names"], all_names)} for e in nested.values()]
+        numel = sum(p.numel() for p in mod.parameters())
+        out.append(TaskGraphSummary(scope.kind, scope.device_count, compress_names(names, all_names), numel, nest))
+    return out
+
+
+def _local_optimizer(optimizer, module: nn.Module) -> torch.optim.Optimizer:
+    params = list(module.parameters())
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, "
+                        f"got {type(optimizer).__name__}")
+    local = {id(p) for p in params}
+    groups = []
+    for g in optimizer.param_groups:
+        kept = [p for p in g["params"] if id(p) in local]
+        if kept:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": kept})
+    return type(optimizer)(groups)
+
+
+def parallelize(
+    model: nn.Module,
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer | Callable,
+    ctx: Context | None = None,
+) -> Engine:
+    """Plan and set up hybrid-parallel training of ``model`` on this rank.
+
+    Args:
+        model: the local ``nn.Module``, built identically on every rank, with ``replicate``/``split`` scopes
+            (or none: the default strategy over all devices). Several top-level TaskGraphs become pipeline
+            stages (the model must then be traceable by ``torch.fx.symbolic_trace``).
+        loss_fn: ``loss_fn(output, target) -> scalar``, the MEAN over the samples of the batch it is given
+            (like ``F.cross_entropy`` with default reduction); samples must weigh equally.
+        optimizer: a callable ``params -> Optimizer`` (preferred) or an optimizer over ``model.parameters()``
+            (rebuilt over this rank's parameters, keeping its param groups' options).
+        ctx: from :func:`whale.init`; defaults to the latest one.
+
+    Returns:
+        An :class:`Engine` with ``step``, ``eval_step``, ``state_dict``, checkpointing and ``plan``.
+
+    Raises:
+        ValueError: the model has no parameters.
+        PlanError: device counts do not fit the world size (and other plan errors).
+        StageError: the model cannot be cut into pipeline stages.
+        NotImplementedError: the plan needs ``split`` at run time (arrives with the split runtime).
+    """
+    ctx = ctx or current_context()
+    plan, stage_modules, shared_stages = analyze(model, ctx.world_size, ctx.config)
+    _check_runnable(plan)
+    stage, _ = plan.coords(ctx.rank)
+    module = stage_modules[stage]
+    opt = _local_optimizer(optimizer, module)
+    return Engine(plan, module, loss_fn, opt, ctx, shared_stages=shared_stages)
+
+
+def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, list[nn.Module], list[list[int]]]:
+    """Annotations -> TaskGraphs -> stage modules -> plan, without touching any process group.
+
+    Returns ``(plan, stage_modules, shared_stages)``; ``shared_stages[i]`` lists the stages holding the i-th
+    entry of ``plan.shared_params``.
+    """
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
+    tg_scopes, stage_of, scopes = _task_graph_scopes(model)
+    if len(tg_scopes) > 1:
+        graphs = build_stages(model, stage_of, len(tg_scopes))
+        stage_modules, shared, shared_stages = graphs.modules, graphs.shared, graphs.shared_stages
+    else:
+        stage_modules, shared, shared_stages = [model], [], []
+    plan = make_plan(_summaries(model, tg_scopes, stage_modules, scopes), world_size, config, shared)
+    return plan, stage_modules, shared_stages
+
+
+def plan_model(model: nn.Module, world_size: int, config: Config | None = None) -> Plan:
+    """The plan Whale would run ``model`` with on ``world_size`` ranks; no processes needed.
+
+    Raises:
+        ValueError, PlanError, StageError: as :func:`parallelize`.
+    """
+    return analyze(model, world_size, config or Config())[0]
+
+
+def _check_runnable(plan: Plan) -> None:
+    for tg in plan.task_graphs:
+        if tg.kind == SPLIT or any(n["kind"] == SPLIT for n in tg.nested):
+            raise NotImplementedError(
+                f"TaskGraph {tg.index} needs split (operator sharding) at run time, which is not implemented "
+                "yet (tracked by the split issue); the plan itself is available via whale.plan_model(...)."
+            )

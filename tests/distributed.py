@@ -1,0 +1,66 @@
+"""Run a function on N gloo ranks in fresh processes (forkserver with torch preloaded), with a timeout.
+
+Plain ``fork`` deadlocks once the parent has run a threaded op, and ``torchrun`` per test costs seconds; the
+forkserver starts once per test session and forks ranks from a process that has already imported torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "whale"])
+
+
+def _worker(fn, rank, world, init_file, args, queue):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results ordered by rank.
+
+    ``fn`` must be a module-level function (it is pickled by reference). Raises ``RuntimeError`` with the
+    failing rank's traceback, or on timeout (all ranks are then killed so a hang fails instead of freezing).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        queue = _CTX.Queue()
+        procs = [_CTX.Process(target=_worker, args=(fn, r, world, init_file, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        try:
+            for _ in range(world):
+                rank, status, payload = queue.get(timeout=timeout)
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        except Exception as exc:
+            if not isinstance(exc, RuntimeError):
+                exc = RuntimeError(f"distributed test timed out after {timeout}s (got ranks {sorted(results)})")
+            for p in procs:
+                p.kill()
+            raise exc from None
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        return [results[r] for r in range(world)]

@@ -1,0 +1,64 @@
+"""Small models for the tests: a GPT-like stack with tied embeddings and an MLP, annotated by arguments."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import whale as wh
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + fc2(gelu(fc1(ln(x)))); [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class TinyLM(nn.Module):
+    """Token LM [B, T] -> logits [B, T, V]; ``stage_layers`` blocks per replicate(1) stage; tied head."""
+
+    def __init__(self, vocab=32, d=16, stage_layers=(2,), tied=True, seq=8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
+        blocks = []
+        for n in stage_layers:
+            if len(stage_layers) > 1:
+                with wh.replicate(1):
+                    blocks += [Block(d) for _ in range(n)]
+            else:
+                blocks += [Block(d) for _ in range(n)]
+        self.blocks = nn.ModuleList(blocks)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.size(1)]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def lm_loss(logits, y):
+    """Mean token cross-entropy; logits [B, T, V], y [B, T]."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: int = 1):
+    """Deterministic random token batches (x, y), each [batch, seq]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out

@@ -1,0 +1,98 @@
+"""Every strategy trains to the same losses and parameters as one process on the same global batch.
+
+Reference: a ``deepcopy`` of the model trained by plain PyTorch on the whole batch with the same AdamW.
+Tolerance: fp32, rtol 1e-5 / atol 1e-6 on losses and on every parameter after each compared run. AdamW runs
+at lr 1e-3: Adam normalizes each gradient element, so an element whose true gradient is ~0 moves by up to lr
+whatever low bits fp32 summation order leaves in it; at lr 1e-3 that stays inside atol.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import whale as wh
+from tests.distributed import run_ranks
+from tests.models import TinyLM, lm_batches, lm_loss
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _train_compare(rank, world, spec):
+    ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), schedule=spec.get("schedule", "1F1B"),
+                            load_shares=spec.get("shares"), seed=0))
+    model = TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for x, y in lm_batches(spec.get("steps", 3), spec["batch"]):
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    names = []
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+        names.append(name)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    return {"losses": losses, "names": names, "stage": engine.stage, "plan": engine.plan.to_json()}
+
+
+def _check(world, spec):
+    results = run_ranks(_train_compare, world, spec)
+    covered = {n for r in results for n in r["names"]}
+    expected = {n for n, _ in TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
+                .named_parameters(remove_duplicate=False)}
+    assert covered == expected, f"parameters never compared: {expected - covered}"
+    assert len({tuple(r["losses"]) for r in results}) == 1, "ranks disagree on the global loss"
+    return results
+
+
+@pytest.mark.parametrize("world,shares", [(2, None), (2, (5, 3)), (4, None), (4, (1, 2, 3, 2))])
+def test_data_parallel_equal_and_uneven_shares(world, shares):
+    results = _check(world, {"layers": (2,), "batch": 8, "shares": shares})
+    plan = wh.Plan.from_json(results[0]["plan"])
+    rows = [b - a for lane in plan.micro_batch_rows(8) for a, b in lane]
+    assert rows == list(shares or [8 // world] * world)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_two_stage_pipeline_unequal_layers(schedule):
+    _check(2, {"layers": (3, 1), "batch": 8, "mb": 4, "schedule": schedule})
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_four_stage_pipeline_unequal_layers(schedule):
+    results = _check(4, {"layers": (2, 1, 1, 3), "batch": 8, "mb": 4, "schedule": schedule})
+    assert sorted(r["stage"] for r in results) == [0, 1, 2, 3]
+
+
+def test_data_parallel_times_pipeline_on_four_ranks():
+    results = _check(4, {"layers": (1, 2), "batch": 8, "mb": 2, "shares": (3, 1)})
+    plan = wh.Plan.from_json(results[0]["plan"])
+    assert plan.num_replicas == 2 and plan.num_stages == 2
+
+
+def test_gradient_accumulation_one_task_graph():
+    _check(2, {"layers": (2,), "batch": 8, "mb": 4})
+
+
+def test_gradient_accumulation_single_process():
+    _check(1, {"layers": (2,), "batch": 6, "mb": 3})
+
+
+def test_tied_weights_across_stages_stay_identical():
+    results = _check(2, {"layers": (1, 1), "batch": 4, "mb": 2, "tied": True, "steps": 4})
+    plan = wh.Plan.from_json(results[0]["plan"])
+    assert plan.shared_params == [["emb.weight", "head.weight"]]
+
+
+def test_untied_pipeline():
+    results = _check(2, {"layers": (1, 1), "batch": 4, "mb": 2, "tied": False})
+    assert wh.Plan.from_json(results[0]["plan"]).shared_params == []
