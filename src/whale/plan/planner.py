@@ -33,6 +33,8 @@ class TaskGraphSummary:
 
 def _scope_text(tgs: list[TaskGraphSummary], counts: list[int]) -> str:
     names = " + ".join(f"{tg.kind}({c})" for tg, c in zip(tgs, counts, strict=True))
+    if len(counts) == 1:
+        return f"{names} needs {counts[0]} devices per replica"
     return f"{names} need {'+'.join(map(str, counts))} = {sum(counts)} devices per replica"
 
 

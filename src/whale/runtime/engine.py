@@ -128,8 +128,8 @@ class Engine:
         """
         start = time.perf_counter()
         self.module.train()
-        run = execute(self._stage_run(batch), self.actions, self.plan.num_micro_batch, train=True)
         before = self.grad_sync.bytes_reduced
+        run = execute(self._stage_run(batch), self.actions, self.plan.num_micro_batch, train=True)
         self.grad_sync.finish()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,99 @@
+"""The plan as data: layout, apportioning, JSON round trip, printout and validation (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import whale as wh
+from whale.plan.plan import Plan, PlanError, TaskGraph, apportion
+from whale.plan.planner import TaskGraphSummary, make_plan
+
+
+def _plan(counts=(1, 1), world=4, **cfg):
+    tgs = [TaskGraphSummary("replicate", c, [f"m{i}"], 10) for i, c in enumerate(counts)]
+    return make_plan(tgs, world, wh.Config(**cfg))
+
+
+@given(st.integers(0, 10_000), st.lists(st.floats(0.01, 100), min_size=1, max_size=16))
+def test_apportion_is_exact_and_proportional(total, weights):
+    shares = apportion(total, weights)
+    assert sum(shares) == total
+    wsum = sum(weights)
+    for s, w in zip(shares, weights, strict=True):
+        assert abs(s - total * w / wsum) < 1.0
+
+
+def test_rank_layout_dp_times_pp():
+    plan = _plan((1, 1), world=4, num_micro_batch=4)
+    assert plan.num_replicas == 2 and plan.num_lanes == 2
+    assert plan.stage_ranks(0) == [0, 2] and plan.stage_ranks(1) == [1, 3]
+    for r in range(4):
+        assert plan.rank_of(*plan.coords(r)) == r
+
+
+def test_micro_batch_rows_uneven_shares():
+    plan = _plan((4,), world=4, load_shares=(1, 2, 3, 2), num_micro_batch=2)
+    rows = plan.micro_batch_rows(16)
+    assert rows[0] == [(0, 1), (8, 9)]
+    assert rows[2] == [(3, 6), (11, 14)]
+    assert sum(b - a for lane in rows for a, b in lane) == 16
+
+
+def test_json_round_trip_and_printout():
+    plan = _plan((1, 1), world=4, num_micro_batch=4, load_shares=(3, 1))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    text = str(plan)
+    assert "world 4 = 2 replica(s)" in text and "schedule 1F1B" in text and "lane 0: 75.0%" in text
+
+
+def test_device_counts_that_do_not_fit_the_world():
+    with pytest.raises(PlanError, match=r"replicate\(3\) \+ replicate\(2\) need 3\+2 = 5 devices per replica but "
+                                        r"world size 4 is not a multiple of 5"):
+        _plan((3, 2), world=4)
+    with pytest.raises(PlanError, match=r"replicate\(3\) needs 3 devices per replica but world size 4"):
+        _plan((3,), world=4)
+
+
+def test_unequal_stage_widths_are_refused_with_the_fix():
+    with pytest.raises(PlanError, match="same device_count"):
+        _plan((2, 1), world=3)
+
+
+def test_batch_not_divisible_into_micro_batches():
+    with pytest.raises(PlanError, match="does not divide into num_micro_batch=3"):
+        _plan((2,), world=2, num_micro_batch=3).micro_batch_rows(8)
+
+
+def test_batch_smaller_than_data_parallel_ranks():
+    with pytest.raises(PlanError, match="4 data-parallel ranks"):
+        _plan((4,), world=4).micro_batch_rows(3)
+
+
+def test_load_shares_of_wrong_length():
+    with pytest.raises(PlanError, match="load_shares has 3 entries but the plan has 2"):
+        _plan((2,), world=2, load_shares=(1, 1, 1))
+
+
+def test_validation_on_load():
+    bad = _plan((1, 1), world=2).to_json().replace('"num_replicas": 1', '"num_replicas": 3')
+    with pytest.raises(PlanError, match="world size"):
+        Plan.from_json(bad)
+
+
+def test_task_graph_is_plain_data():
+    tg = TaskGraph(0, "replicate", 2, ["blocks"], 5)
+    assert Plan(2, [tg], 1).task_graphs[0] == tg
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_micro_batch", 0, "must be >= 1"),
+    ("schedule", "zigzag", "unknown"),
+    ("load_shares", (1, -1), "numbers > 0"),
+    ("bucket_cap_mb", 0, "bucket_cap_mb"),
+])
+def test_config_errors(field, value, match):
+    with pytest.raises(wh.ConfigError, match=match):
+        wh.Config(**{field: value})
