@@ -33,23 +33,27 @@ class GradSync:
     Args:
         param_groups: ``[(group, params), ...]``; ``group`` is a ``ProcessGroup`` or ``None`` (no reduction,
             e.g. a group of one rank). Each parameter appears in exactly one entry.
-        bucket_cap_mb: bucket size in MiB (2**20 bytes).
+        bucket_cap_mb: bucket size in MiB (2**20 bytes); the first bucket of each group is capped at
+            ``first_bucket_mb`` so that communication starts early in backward (as DDP does).
         overlap: start all-reduces from gradient hooks during the armed backward.
 
-    Usage per step: ``arm()`` before the last backward, then ``finish()`` after it.
+    Usage per step: ``arm()`` before the last backward, then ``finish()`` after it. ``arm(extra)`` appends a
+    small float tensor to the last bucket, summed over that bucket's group for free (the step's loss).
     """
 
     def __init__(self, param_groups: list[tuple[object, list[torch.nn.Parameter]]], bucket_cap_mb: float = 25.0,
-                 overlap: bool = True) -> None:
-        cap = int(bucket_cap_mb * 2**20)
+                 overlap: bool = True, first_bucket_mb: float = 1.0) -> None:
         self.buckets: list[_Bucket] = []
         for group, params in param_groups:
             if group is None:
                 continue
-            self._fill(group, [p for p in reversed(params) if p.requires_grad], cap)
+            self._fill(group, [p for p in reversed(params) if p.requires_grad],
+                       int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
         self._index = {id(p): (i, b) for i, b in enumerate(self.buckets) for p in b.params}
         self._armed = False
         self._next = 0
+        self._extra: torch.Tensor | None = None
+        self.extra: torch.Tensor | None = None
         self.bytes_reduced = 0
         self._handles = []
         if overlap:
@@ -57,20 +61,22 @@ class GradSync:
                 for p in b.params:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    def _fill(self, group, params, cap) -> None:
+    def _fill(self, group, params, cap, first_cap) -> None:
         cur: list[torch.nn.Parameter] = []
-        size = 0
+        size, limit = 0, first_cap
         for p in params:
             cur.append(p)
             size += p.numel() * p.element_size()
-            if size >= cap:
+            if size >= limit:
                 self.buckets.append(_Bucket(cur, group))
-                cur, size = [], 0
+                cur, size, limit = [], 0, cap
         if cur:
             self.buckets.append(_Bucket(cur, group))
 
-    def arm(self) -> None:
-        """Let gradient hooks launch all-reduces during the coming backward."""
+    def arm(self, extra: torch.Tensor | None = None) -> None:
+        """Let gradient hooks launch all-reduces during the coming backward; ``extra`` (1-D float tensor)
+        rides along with the last bucket and is summed over its group (read it with :attr:`extra`)."""
+        self._extra = extra
         self._armed = True
         self._next = 0
         for b in self.buckets:
@@ -90,8 +96,10 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.buf = torch.cat([g.reshape(-1) for g in grads])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params]
+        if self._extra is not None and b is self.buckets[-1]:
+            grads.append(self._extra.to(grads[0].dtype))
+        b.buf = torch.cat(grads)
         self.bytes_reduced += b.buf.numel() * b.buf.element_size()
         b.work = dist.all_reduce(b.buf, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
 
@@ -111,6 +119,8 @@ class GradSync:
                 else:
                     p.grad.copy_(view)
                 offset += n
+            if self._extra is not None and b is self.buckets[-1]:
+                self.extra = b.buf[offset:].clone()
             b.buf, b.work = None, None
         self._armed = False
 

@@ -29,7 +29,8 @@ class StageRun:
         scales: per micro-batch, ``rows / global_batch``: the weight of its mean loss in the global mean.
         loss_fn: ``loss_fn(output, target) -> scalar`` mean over the micro-batch's samples.
         device: where received tensors are put.
-        before_last_backward: called right before the last micro-batch's backward (arms gradient sync).
+        before_last_backward: called with this run right before the last micro-batch's backward (arms
+            gradient sync).
     """
 
     module: torch.nn.Module
@@ -42,7 +43,7 @@ class StageRun:
     scales: list[float]
     loss_fn: Callable
     device: torch.device
-    before_last_backward: Callable[[], None] = lambda: None
+    before_last_backward: Callable[[StageRun], None] = lambda run: None
     busy: float = 0.0
     loss_sum: float = 0.0
     _live: dict = field(default_factory=dict)
@@ -87,7 +88,7 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
         grads = p2p.recv_grads(out, run.next_rank)
         tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
     if last:
-        run.before_last_backward()
+        run.before_last_backward(run)
     start = time.perf_counter()
     if tensors:
         torch.autograd.backward(tensors, grads if not run.is_last else None)

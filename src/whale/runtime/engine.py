@@ -103,10 +103,20 @@ class Engine:
             inputs=[_to(_slice(inputs, a, b), dev) for a, b in rows] if self.stage == 0 else [],
             targets=[_to(_slice(target, a, b), dev) for a, b in rows] if is_last else [],
             scales=[(b - a) / total for a, b in rows], loss_fn=self.loss_fn, device=dev,
-            before_last_backward=self.grad_sync.arm,
+            before_last_backward=self._arm,
         )
 
-    def _global_loss(self, loss_sum: float) -> float:
+    def _fuse_loss(self) -> bool:
+        # one stage and one data-parallel group: the loss rides on the last gradient bucket
+        return self.plan.num_stages == 1 and bool(self.grad_sync.buckets)
+
+    def _arm(self, run: StageRun) -> None:
+        extra = torch.tensor([run.loss_sum], dtype=torch.float64) if self._fuse_loss() else None
+        self.grad_sync.arm(extra)
+
+    def _global_loss(self, loss_sum: float, fused: bool = False) -> float:
+        if fused:
+            return float(self.grad_sync.extra[0])
         if self.world_size == 1:
             return loss_sum
         t = torch.tensor([loss_sum], dtype=torch.float64, device=self.ctx.device)
@@ -133,7 +143,7 @@ class Engine:
         self.grad_sync.finish()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._global_loss(run.loss_sum)
+        loss = self._global_loss(run.loss_sum, fused=self._fuse_loss())
         elapsed = time.perf_counter() - start
         self.steps_done += 1
         self._history.append((run.busy, elapsed))

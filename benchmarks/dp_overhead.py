@@ -1,0 +1,148 @@
+"""Whale's replicate (data parallel) vs torch's DistributedDataParallel on the same model, ranks and data.
+
+Both run in the same processes, interleaved round by round (Whale, DDP, Whale, DDP, ...) so that machine noise
+hits both alike; the reported ratio is DDP's median step time over Whale's (throughput ratio, goal >= 0.97).
+
+    python benchmarks/dp_overhead.py --nproc 2 --steps 30 --out benchmarks/results/dp_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer-ish MLP block, [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """Token model [B, T] -> logits [B, T, V]."""
+
+    def __init__(self, vocab: int, d: int, layers: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.blocks(self.emb(idx)))
+
+
+def loss_fn(logits, y):
+    """Mean token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _time(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _worker(rank: int, world: int, init_file: str, args, out_q) -> None:
+    import whale as wh
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ctx = wh.init(wh.Config(seed=0, bucket_cap_mb=args.bucket_mb))
+    model = Net(args.vocab, args.dim, args.layers)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=args.bucket_mb)
+    engine = wh.parallelize(model, loss_fn, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    per = args.batch // world
+    xl, yl = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+    def ddp_step():
+        ddp_opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(xl), yl).backward()
+        ddp_opt.step()
+
+    times = {"whale": [], "ddp": []}
+    for i in range(args.warmup + args.steps):
+        tw = _time(lambda: engine.step((x, y)))
+        td = _time(ddp_step)
+        if i >= args.warmup:
+            times["whale"].append(tw)
+            times["ddp"].append(td)
+    if rank == 0:
+        out_q.put(times)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, args.nproc, os.path.join(tmp, "s"), args, q))
+                 for r in range(args.nproc)]
+        for proc in procs:
+            proc.start()
+        times = q.get(timeout=1800)
+        for proc in procs:
+            proc.join()
+    report(times, args)
+
+
+def report(times: dict, args) -> None:
+    """Print the table and write JSON."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = args.batch * args.seq
+    ratio = med["ddp"] / med["whale"]
+    print(f"{'':8} {'median step (ms)':>17} {'tokens/s':>10}")
+    for k in ("whale", "ddp"):
+        print(f"{k:8} {med[k] * 1e3:>17.1f} {tokens / med[k]:>10.0f}")
+    print(f"throughput ratio Whale / DDP = {ratio:.3f}  (goal >= 0.97)")
+    result = {"whale_step_s": med["whale"], "ddp_step_s": med["ddp"], "throughput_ratio": ratio,
+              "nproc": args.nproc, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+              "dim": args.dim, "layers": args.layers, "raw": times}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
