@@ -18,9 +18,9 @@ examples:
   one machine, 4 workers:
     whale launch -n 4 examples/gpt/train.py --steps 200
   two machines, 2 workers each (run on both, with --node-rank 0 on the master host and 1 on the other):
-    whale launch -n 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+    whale launch -n 2 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
   elastic rendezvous through a c10d store:
-    whale launch -n 8 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 train.py
+    whale launch -n 8 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job1 train.py
 
 Without any rendezvous flag the job is single-machine (torchrun --standalone). Everything after the script
 path is passed to the script untouched. Workers get OMP_NUM_THREADS=1 unless it is set (or --threads), and
@@ -36,6 +36,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         description="Run a training script on N worker processes per node through torchrun.",
         epilog=_LAUNCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # so that a script argument like "--node" is never taken for "--node-rank"
     )
     p.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=1, metavar="N",
                    help="worker processes on this node (default: 1)")

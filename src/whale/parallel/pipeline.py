@@ -97,6 +97,17 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
         run._sends += p2p.send_grads(inputs, run.prev_rank)
 
 
+def _reap(run: StageRun) -> None:
+    """Release the buffers of sends that have completed (activation memory is not held to the step's end)."""
+    pending = []
+    for work, buf in run._sends:
+        if work.is_completed():
+            work.wait()
+        else:
+            pending.append((work, buf))
+    run._sends = pending
+
+
 def execute(run: StageRun, actions: list[Action], num_micro_batch: int, train: bool = True) -> StageRun:
     """Run ``actions`` for this rank; returns ``run`` with ``busy`` (seconds of compute) and ``loss_sum``
     (on the last stage: sum of scaled micro-batch losses) filled in. In eval mode only forwards run."""
@@ -105,6 +116,7 @@ def execute(run: StageRun, actions: list[Action], num_micro_batch: int, train: b
             _forward(run, a.mb, grad=train)
         elif train:
             _backward(run, a.mb, last=a.mb == num_micro_batch - 1)
+        _reap(run)
     for work, _ in run._sends:
         work.wait()
     run._sends.clear()

@@ -1,6 +1,6 @@
 """Launcher: run a training script on N worker processes per node through ``torchrun``.
 
-``whale launch`` is a thin, predictable wrapper around ``python -m torch.distributed.run``:
+``whale launch`` is a thin, predictable wrapper around torchrun (``torch.distributed.run``, run in-process):
 
 * one machine: ``--standalone --nproc-per-node N`` (torchrun picks a free port itself);
 * several machines: torchrun's rendezvous flags are passed through unchanged (static rendezvous with
@@ -10,15 +10,13 @@
 Workers additionally receive ``WHALE_CLUSTER`` (the absolute path of the cluster spec, read later by the
 library) and ``OMP_NUM_THREADS`` (1 unless the user set it, or the value of ``--threads``). Everything after
 the script path reaches the script untouched. The pure parts (:func:`torchrun_args`, :func:`worker_env`) are
-separate from :func:`launch`, which only runs the command and returns torchrun's exit code.
+separate from :func:`launch`, which only runs torchrun and returns an exit code.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,9 +25,6 @@ __all__ = ["LaunchError", "torchrun_args", "torchrun_command", "worker_env", "la
 
 # Flags that configure the rendezvous; any of them switches the launch from --standalone to multi-node.
 _RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
-
-# Seconds to let torchrun shut its workers down after an interrupt before it is killed.
-_SHUTDOWN_GRACE_S = 30.0
 
 
 class LaunchError(ValueError):
@@ -90,7 +85,7 @@ def torchrun_args(
         max_restarts: torchrun's ``--max-restarts`` (allowed with either mode).
 
     Returns:
-        e.g. ``["--standalone", "--nproc-per-node", "2", "train.py", "--steps", "5"]``.
+        e.g. ``["--standalone", "--nproc-per-node", "2", "--", "train.py", "--steps", "5"]``.
 
     Raises:
         LaunchError: ``nproc < 1``, a malformed ``nnodes``, a negative or out-of-range ``node_rank``,
@@ -116,7 +111,9 @@ def torchrun_args(
             args += ["--" + key.replace("_", "-"), str(given[key])]
     if max_restarts is not None:
         args += ["--max-restarts", str(max_restarts)]
-    return [*args, os.fspath(script), *script_args]
+    # "--" keeps torchrun's parser off the script's arguments (an argument such as "--node" would otherwise
+    # be rejected as an ambiguous abbreviation of torchrun's own "--node-rank").
+    return [*args, "--", os.fspath(script), *script_args]
 
 
 def torchrun_command(args: Sequence[str], python: str | None = None) -> list[str]:
@@ -160,25 +157,38 @@ def _check_script(script: str | os.PathLike) -> None:
         raise LaunchError(f"training script {os.fspath(script)!r} does not exist or is not a file")
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> int:
-    """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return a shell-style exit code."""
-    proc = subprocess.Popen(cmd, env=env)
-    forward = lambda signum, _frame: proc.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM,)}
-    try:
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            # Ctrl-C reaches torchrun too (same process group); give it time to stop its workers.
-            try:
-                code = proc.wait(timeout=_SHUTDOWN_GRACE_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                proc.kill()
-                code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _exit_code(code: int) -> int:
+    """Shell convention: a process killed by signal N (negative code -N) exits with 128 + N."""
     return 128 - code if code < 0 else code
+
+
+def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run torchrun in this process with ``env`` as the environment; return a shell-style exit code.
+
+    In-process rather than ``python -m torch.distributed.run`` as a child: ``import whale`` has already
+    paid for importing torch, which a child would pay again (seconds on a loaded machine). The workers are
+    still separate processes started by torchrun. A failed worker's own exit code is returned (torchrun's
+    command line would say 1), after torchrun's failure summary; SIGTERM/SIGINT/SIGHUP stop the workers
+    and give 128 + signal number.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        torchrun_main(list(args))
+        return 0
+    except ChildFailedError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return _exit_code(e.get_first_failure()[1].exitcode) or 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def launch(
@@ -191,12 +201,13 @@ def launch(
     dry_run: bool = False,
     **rdzv,
 ) -> int:
-    """Run ``script`` on ``nproc`` workers of this node through torchrun; return torchrun's exit code.
+    """Run ``script`` on ``nproc`` workers of this node through torchrun; return the exit code (0: success).
 
     ``rdzv`` takes the keyword arguments of :func:`torchrun_args` (``nnodes``, ``node_rank``, ``master_addr``,
     ``master_port``, ``rdzv_backend``, ``rdzv_endpoint``, ``rdzv_id``, ``max_restarts``); ``cluster`` and
     ``threads`` shape the workers' environment (:func:`worker_env`). With ``dry_run`` the command and the
-    environment it adds are printed and nothing runs. A worker killed by a signal gives 128 + signal number.
+    environment it adds are printed (as the equivalent ``python -m torch.distributed.run`` command line) and
+    nothing runs. If a worker fails, its exit code is returned (128 + N for a worker killed by signal N).
 
     Raises:
         LaunchError: before anything starts, for any invalid argument, a missing script or cluster spec.
@@ -207,10 +218,10 @@ def launch(
     args = torchrun_args(nproc, script, script_args, **rdzv)
     _check_script(script)
     env = worker_env(cluster=cluster, threads=threads)
-    cmd = torchrun_command(args)
     if dry_run:
+        cmd = torchrun_command(args)
         added = {k: v for k, v in env.items() if os.environ.get(k) != v}
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items()))
         print((prefix + " " if prefix else "") + shlex.join(cmd))
         return 0
-    return _run(cmd, env)
+    return _run(args, env)
