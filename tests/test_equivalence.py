@@ -38,7 +38,8 @@ def _train_compare(rank, world, spec):
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     names = []
     for name, p in engine.module.named_parameters(remove_duplicate=False):
-        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
         names.append(name)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
     return {"losses": losses, "names": names, "stage": engine.stage, "plan": engine.plan.to_json()}
