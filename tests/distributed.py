@@ -12,7 +12,7 @@ import tempfile
 import traceback
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "whale"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.testing", "whale"])
 
 
 def _worker(fn, rank, world, init_file, args, queue):

@@ -29,6 +29,8 @@ class StageRun:
         scales: per micro-batch, ``rows / global_batch``: the weight of its mean loss in the global mean.
         loss_fn: ``loss_fn(output, target) -> scalar`` mean over the micro-batch's samples.
         device: where received tensors are put.
+        slowdown: emulation only: after each compute segment of t seconds, wait ``t * slowdown`` more so the
+            rank runs at its declared device's speed (DESIGN.md §6); 0 on real hardware.
         before_last_backward: called with this run right before the last micro-batch's backward (arms
             gradient sync).
     """
@@ -44,6 +46,7 @@ class StageRun:
     loss_fn: Callable
     device: torch.device
     before_last_backward: Callable[[StageRun], None] = lambda run: None
+    slowdown: float = 0.0
     busy: float = 0.0
     loss_sum: float = 0.0
     _live: dict = field(default_factory=dict)
@@ -73,7 +76,7 @@ def _forward(run: StageRun, mb: int, grad: bool) -> None:
             loss = run.loss_fn(out, run.targets[mb]) * run.scales[mb]
             run.loss_sum += float(loss.detach())
             out = loss
-    run.busy += time.perf_counter() - start
+    _account(run, start)
     if not run.is_last:
         run._sends += p2p.send_values(out, run.next_rank, run.device)
     if grad:
@@ -92,9 +95,18 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
     start = time.perf_counter()
     if tensors:
         torch.autograd.backward(tensors, grads if not run.is_last else None)
-    run.busy += time.perf_counter() - start
+    _account(run, start)
     if not run.is_first:
         run._sends += p2p.send_grads(inputs, run.prev_rank)
+
+
+def _account(run: StageRun, start: float) -> None:
+    """Add a compute segment to ``busy``; under emulation stretch it to the declared device's speed."""
+    elapsed = time.perf_counter() - start
+    if run.slowdown > 0:
+        time.sleep(elapsed * run.slowdown)
+        elapsed = time.perf_counter() - start
+    run.busy += elapsed
 
 
 def _reap(run: StageRun) -> None:

@@ -1,0 +1,322 @@
+"""split → operator sharding: sharded Linear / Embedding layers and the module-type → rule registry.
+
+A split TaskGraph's parameters are cut along one dim across the ranks of its VirtualDevice (a process group of
+n ranks). Shards may be **uneven**: ``sizes`` (one whole number per rank, in group-rank order, each ≥ 1, adding
+up to the dim) come from the plan, e.g. proportional to device FLOPS; ``sizes=None`` means equal shares
+(largest remainder, :func:`shard_sizes`). Each sharded layer is built **from** an existing full layer and copies
+its local slice, so the sharded model computes the same numbers as the unsharded one.
+
+Sharded layers (N = rows of the input, i.e. numel / last dim; bytes handed to collectives per rank and step,
+fp32; a ring all-reduce of S bytes sends 2(n−1)/n × S):
+
+- :class:`ColumnParallelLinear`: weight rows (out features) sharded; input replicated, output sharded on the
+  last dim. Forward: none (``gather_output=True``: all-gather of N × max(sizes) × 4). Backward: all-reduce of
+  the input gradient, N × in × 4 (none when the input needs no gradient).
+- :class:`RowParallelLinear`: weight columns (in features) sharded; input sharded on the last dim, output
+  replicated. Forward: all-reduce of the partial sums, N × out × 4. Backward: none (``input_is_parallel=
+  False``: all-gather of the input gradient, N × max(sizes) × 4).
+- Column → elementwise activation → Row (an MLP): no communication in between; N × out × 4 forward plus
+  N × in × 4 backward for the pair.
+- :class:`VocabParallelEmbedding`: rows of the table (the vocabulary) sharded; forward all-reduce of
+  N × embedding_dim × 4 (N = number of ids); backward none.
+- The loss on class-sharded logits lives in :mod:`whale.parallel.split_loss`; the collectives in
+  :mod:`whale.parallel.split_ops`. Both are re-exported here.
+
+Rules. :func:`shard_module` walks a module and replaces what it can shard by a rule looked up by type (exact
+type first, then base classes): ``nn.Linear`` → column-sharded (a lone Linear, e.g. the classification head,
+keeps sharded outputs unless ``gather_output=True``); ``nn.Sequential`` → children in order, with each
+Linear → elementwise modules → Linear run fused as column then row; ``nn.Embedding`` → vocab-sharded.
+Parameter-free modules (activations, dropout, ...) pass through; containers without parameters of their own
+are walked recursively. Anything else that holds parameters raises :class:`SplitError`. Add a rule with
+:func:`register_split_rule`; a rule is ``fn(module, group, sizes, **ctx) -> nn.Module`` returning this rank's
+shard (``ctx`` holds ``weights`` and ``gather_output``), for example::
+
+    from whale.parallel.split import ColumnParallelLinear, register_split_rule
+
+    class Head(nn.Module):           # owns its parameters directly, so it needs a rule
+        def __init__(self, d, c):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(c, d))
+        def forward(self, x):
+            return x @ self.weight.t()
+
+    def shard_head(module, group, sizes, **ctx):
+        lin = nn.Linear(module.weight.shape[1], module.weight.shape[0], bias=False)
+        lin.weight = module.weight
+        return ColumnParallelLinear(lin, group, sizes, gather_output=ctx.get("gather_output", False))
+
+    register_split_rule(Head, shard_head)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from whale.parallel.split_loss import sharded_accuracy, sharded_argmax, sharded_cross_entropy
+from whale.parallel.split_ops import (
+    check_sizes,
+    comm_bytes,
+    copy_to_group,
+    gather_from_group,
+    group_rank,
+    group_size,
+    offsets,
+    reduce_from_group,
+    resolve_sizes,
+    scatter_to_group,
+    shard_sizes,
+)
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SplitError", "SplitRule",
+    "ELEMENTWISE", "register_split_rule", "split_rule_for", "shard_module", "shard_sizes", "check_sizes",
+    "resolve_sizes", "offsets", "group_rank", "group_size", "comm_bytes", "copy_to_group", "reduce_from_group",
+    "gather_from_group", "scatter_to_group", "sharded_cross_entropy", "sharded_argmax", "sharded_accuracy",
+]
+
+
+class SplitError(ValueError):
+    """A module under ``split`` cannot be sharded (no rule for its type, or an unsupported option)."""
+
+
+def _local_param(full: torch.Tensor, dim: int, start: int, size: int) -> nn.Parameter:
+    return nn.Parameter(full.detach().narrow(dim, start, size).clone(), requires_grad=full.requires_grad)
+
+
+class _Sharded(nn.Module):
+    """Common bookkeeping: the group, the shard sizes along the sharded dim, and this rank's range."""
+
+    def _set_shards(self, group, dim_size: int, sizes, weights) -> None:
+        self.group = group
+        self.sizes = resolve_sizes(dim_size, group, sizes, weights)
+        self.rank_in_group = group_rank(group)
+        self.shard_start = offsets(self.sizes)[self.rank_in_group]
+        self.shard_size = self.sizes[self.rank_in_group]
+
+
+class ColumnParallelLinear(_Sharded):
+    """``nn.Linear`` with its output features sharded: rank r holds ``weight[start:start+size_r, :]`` and the
+    matching bias slice.
+
+    Shapes: input ``[*, in]`` (replicated on the group) → output ``[*, size_r]`` (this rank's output features
+    ``[shard_start, shard_start + size_r)``), or ``[*, out]`` on every rank with ``gather_output=True``.
+
+    Communication: forward none (all-gather of N × max(sizes) floats with ``gather_output``); backward
+    all-reduce of the input gradient, N × in floats.
+
+    Raises:
+        ValueError: more shards than ``out_features``; ``sizes`` of the wrong length or not adding up.
+    """
+
+    def __init__(self, linear: nn.Linear, group=None, sizes: list[int] | None = None, gather_output: bool = False,
+                 weights: list[float] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._set_shards(group, self.out_features, sizes, weights)
+        self.gather_output = gather_output
+        self.weight = _local_param(linear.weight, 0, self.shard_start, self.shard_size)
+        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, self.shard_start, self.shard_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return gather_from_group(y, self.group, -1, self.sizes) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.shard_start}:"
+                f"{self.shard_start + self.shard_size} of sizes {self.sizes}), gather_output={self.gather_output}")
+
+
+class RowParallelLinear(_Sharded):
+    """``nn.Linear`` with its input features sharded: rank r holds ``weight[:, start:start+size_r]``; the bias
+    is replicated and added once, after the reduction.
+
+    Shapes: input ``[*, size_r]`` (this rank's input features; with ``input_is_parallel=False`` the full
+    ``[*, in]``, replicated, sliced here) → output ``[*, out]``, the same on every rank.
+
+    Communication: forward all-reduce of the partial sums, N × out floats; backward none (with
+    ``input_is_parallel=False``, all-gather of the input gradient, N × max(sizes) floats).
+
+    Raises:
+        ValueError: more shards than ``in_features``; ``sizes`` of the wrong length or not adding up.
+    """
+
+    def __init__(self, linear: nn.Linear, group=None, sizes: list[int] | None = None, input_is_parallel: bool = True,
+                 weights: list[float] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._set_shards(group, self.in_features, sizes, weights)
+        self.input_is_parallel = input_is_parallel
+        self.weight = _local_param(linear.weight, 1, self.shard_start, self.shard_size)
+        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, 0, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_group(x, self.group, -1, self.sizes)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.shard_start}:{self.shard_start + self.shard_size} "
+                f"of sizes {self.sizes}), out_features={self.out_features}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(_Sharded):
+    """``nn.Embedding`` with its vocabulary (rows) sharded: rank r holds rows ``[start, start + size_r)``.
+
+    Shapes: int64 ids ``[*]`` (global ids, replicated) → ``[*, embedding_dim]`` on every rank. Ids outside
+    this rank's rows look up zeros; the all-reduce adds the owning rank's row. ``padding_idx`` is kept.
+
+    Communication: forward all-reduce of N × embedding_dim floats (N = number of ids); backward none.
+
+    Raises:
+        SplitError: ``max_norm`` or ``scale_grad_by_freq`` (their per-batch statistics would be wrong on a
+            shard).
+        ValueError: more shards than ``num_embeddings``; ``sizes`` of the wrong length or not adding up.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group=None, sizes: list[int] | None = None,
+                 weights: list[float] | None = None) -> None:
+        super().__init__()
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq:
+            raise SplitError("split of nn.Embedding does not support max_norm or scale_grad_by_freq")
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self._set_shards(group, self.num_embeddings, sizes, weights)
+        self.sparse = embedding.sparse
+        pad = embedding.padding_idx
+        local_pad = None if pad is None else pad - self.shard_start
+        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.shard_size else None
+        self.weight = _local_param(embedding.weight, 0, self.shard_start, self.shard_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard_start
+        mine = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight,
+                          padding_idx=self.padding_idx, sparse=self.sparse)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return reduce_from_group(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.shard_start}:"
+                f"{self.shard_start + self.shard_size} of sizes {self.sizes})")
+
+
+# --- registry -------------------------------------------------------------------------------------------
+SplitRule = Callable[..., nn.Module]
+"""``rule(module, group, sizes, **ctx) -> nn.Module``: this rank's shard of ``module``. ``sizes`` is the shard
+sizes along the rule's dim or ``None``; ``ctx`` has ``weights`` (relative load shares or ``None``) and
+``gather_output`` (whether the caller needs the full output rather than a sharded last dim)."""
+
+_RULES: dict[type, SplitRule] = {}
+
+ELEMENTWISE: tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
+)
+"""Parameter-free modules that act elementwise and so may sit between a column and a row shard, or after a
+sharded output, without communication."""
+
+
+def register_split_rule(module_type: type, rule: SplitRule) -> None:
+    """Use ``rule`` for modules of ``module_type`` (and subclasses without a rule of their own) under split.
+    Registering a type again replaces its rule."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    _RULES[module_type] = rule
+
+
+def split_rule_for(module_type: type) -> SplitRule | None:
+    """The rule for ``module_type``: its own, else the nearest base class's; ``None`` if there is none."""
+    for cls in module_type.__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, *,
+                 weights: list[float] | None = None, gather_output: bool = False) -> nn.Module:
+    """This rank's shard of ``module`` for a split over ``group``; the original module is not modified.
+
+    Args:
+        module: the full module (its initialized weights are copied into the shards).
+        group: the split process group (``None``: default group).
+        sizes: shard sizes for every sharded dim (each must add up to that dim), or ``None``.
+        weights: relative load shares per rank, used when ``sizes`` is ``None`` (hardware-aware sizes).
+        gather_output: whether the module's output must be full; ``False`` lets a trailing column-sharded
+            Linear keep its output sharded along the last dim (the classification head + sharded loss).
+
+    Raises:
+        SplitError: a module with parameters and no rule (names the type and how to register one).
+        ValueError: invalid ``sizes`` (see :func:`check_sizes`).
+    """
+    if not _has_params(module):
+        return module
+    rule = split_rule_for(type(module))
+    if rule is not None:
+        return rule(module, group, sizes, weights=weights, gather_output=gather_output)
+    if next(module.parameters(recurse=False), None) is not None:
+        name = f"{type(module).__module__}.{type(module).__qualname__}"
+        raise SplitError(
+            f"split has no sharding rule for {name}, which holds parameters of its own; register one with "
+            f"whale.parallel.split.register_split_rule({type(module).__name__}, rule), where "
+            f"rule(module, group, sizes, **ctx) returns this rank's shard (see the whale.parallel.split docs)")
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    for name, child in module.named_children():
+        # Unknown data flow inside a custom container: every sharded child returns full outputs.
+        clone._modules[name] = shard_module(child, group, sizes, weights=weights, gather_output=True)
+    return clone
+
+
+def _linear_rule(module, group, sizes, **ctx):
+    return ColumnParallelLinear(module, group, sizes, gather_output=ctx.get("gather_output", False),
+                                weights=ctx.get("weights"))
+
+
+def _embedding_rule(module, group, sizes, **ctx):
+    return VocabParallelEmbedding(module, group, sizes, weights=ctx.get("weights"))
+
+
+def _sequential_rule(module, group, sizes, **ctx):
+    """Children in order; Linear, elementwise*, Linear → column, pass-through, row (no comm in between)."""
+    names, kids = list(module._modules), list(module._modules.values())
+    out: OrderedDict[str, nn.Module] = OrderedDict()
+    weights, i = ctx.get("weights"), 0
+    while i < len(kids):
+        j = i + 1
+        while j < len(kids) and isinstance(kids[j], ELEMENTWISE):
+            j += 1
+        if type(kids[i]) is nn.Linear and j < len(kids) and type(kids[j]) is nn.Linear:
+            col = ColumnParallelLinear(kids[i], group, sizes, gather_output=False, weights=weights)
+            out[names[i]] = col
+            out.update({names[k]: kids[k] for k in range(i + 1, j)})
+            out[names[j]] = RowParallelLinear(kids[j], group, col.sizes, input_is_parallel=True)
+            i = j + 1
+            continue
+        # Full output needed unless only elementwise modules follow (then the caller decides).
+        last = j == len(kids)
+        out[names[i]] = shard_module(kids[i], group, sizes, weights=weights,
+                                     gather_output=ctx.get("gather_output", False) if last else True)
+        i += 1
+    return nn.Sequential(out)
+
+
+def _already_sharded(module, group, sizes, **ctx):
+    return module
+
+
+register_split_rule(nn.Linear, _linear_rule)
+register_split_rule(nn.Embedding, _embedding_rule)
+register_split_rule(nn.Sequential, _sequential_rule)
+for _cls in (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding):
+    register_split_rule(_cls, _already_sharded)
