@@ -70,13 +70,15 @@ def test_split_inside_replicate_is_recorded_as_nested():
     assert "nested split(2): head" in str(plan)
 
 
-def test_split_plans_but_refuses_to_run_until_its_runtime_exists():
+def test_split_over_one_device_is_the_module_itself():
     with wh.split(1):
         model = nn.Linear(4, 4)
     assert wh.plan_model(model, 1).task_graphs[0].kind == "split"
-    ctx = wh.Context(wh.Config(), 0, 1, torch.device("cpu"))
-    with pytest.raises(NotImplementedError, match="split"):
-        wh.parallelize(model, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    ctx = wh.init(wh.Config())
+    engine = wh.parallelize(model, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    assert engine.regions == [] and engine.module is model
+    x = torch.randn(4, 4)
+    assert engine.step((x, x))["loss"] > 0
 
 
 def test_annotate_maps_patterns_onto_an_unedited_model():

@@ -29,6 +29,9 @@ class StageRun:
         scales: per micro-batch, ``rows / global_batch``: the weight of its mean loss in the global mean.
         loss_fn: ``loss_fn(output, target) -> scalar`` mean over the micro-batch's samples.
         device: where received tensors are put.
+        count_loss: whether this rank's loss counts in the reported sum (ranks of a split group all compute the
+            same loss over the group's rows; one of them reports it).
+        metric_fns: eval only, ``{name: fn(output, target)}`` averaged like the loss into ``metric_sums``.
         slowdown: emulation only: after each compute segment of t seconds, wait ``t * slowdown`` more so the
             rank runs at its declared device's speed (DESIGN.md §6); 0 on real hardware.
         before_last_backward: called with this run right before the last micro-batch's backward (arms
@@ -47,6 +50,9 @@ class StageRun:
     device: torch.device
     before_last_backward: Callable[[StageRun], None] = lambda run: None
     slowdown: float = 0.0
+    count_loss: bool = True
+    metric_fns: dict = field(default_factory=dict)
+    metric_sums: dict = field(default_factory=dict)
     busy: float = 0.0
     loss_sum: float = 0.0
     _live: dict = field(default_factory=dict)
@@ -73,14 +79,25 @@ def _forward(run: StageRun, mb: int, grad: bool) -> None:
     with torch.set_grad_enabled(grad):
         out = run.module(*inputs)
         if run.is_last:
-            loss = run.loss_fn(out, run.targets[mb]) * run.scales[mb]
-            run.loss_sum += float(loss.detach())
-            out = loss
+            out = _loss(run, mb, out)
     _account(run, start)
     if not run.is_last:
         run._sends += p2p.send_values(out, run.next_rank, run.device)
     if grad:
         run._live[mb] = (inputs, out)
+
+
+def _loss(run: StageRun, mb: int, out) -> torch.Tensor:
+    loss = run.loss_fn(out, run.targets[mb]) * run.scales[mb]
+    if run.count_loss:
+        run.loss_sum += float(loss.detach())
+        for name, fn in run.metric_fns.items():
+            value = float(fn(out, run.targets[mb])) * run.scales[mb]
+            run.metric_sums[name] = run.metric_sums.get(name, 0.0) + value
+    elif run.metric_fns:  # collective metrics (sharded logits) must run on every rank of the group
+        for fn in run.metric_fns.values():
+            fn(out, run.targets[mb])
+    return loss
 
 
 def _backward(run: StageRun, mb: int, last: bool) -> None:

@@ -28,6 +28,8 @@ class TaskGraph:
         modules: module FQNs (or ``module.param`` names) it holds, compressed to the largest whole modules.
         num_params: parameter elements it holds (tied parameters counted in every TG that holds them).
         nested: nested scopes inside it, e.g. ``[{"kind": "split", "device_count": 2, "modules": [...]}]``.
+        shard_weights: for split (or a nested split), the relative shard size of each device of the VD;
+            empty = equal shards.
     """
 
     index: int
@@ -36,6 +38,12 @@ class TaskGraph:
     modules: list[str] = field(default_factory=list)
     num_params: int = 0
     nested: list[dict] = field(default_factory=list)
+    shard_weights: list[float] = field(default_factory=list)
+
+    @property
+    def has_split(self) -> bool:
+        """True when this TaskGraph, or a scope nested in it, shards operators."""
+        return self.kind == "split" or any(n["kind"] == "split" for n in self.nested)
 
 
 @dataclass
@@ -52,6 +60,8 @@ class Plan:
         shared_params: parameter FQN groups held by several stages (tied weights), ``[[name, ...], ...]``;
             their gradients are summed over every rank that holds them.
         notes: free-form lines shown in the printout (e.g. "emulated cluster").
+        colocated: the TaskGraphs share the same devices and run one after another in one stage (Whale's
+            replicate backbone + split head); otherwise each TaskGraph is a pipeline stage on its own devices.
     """
 
     world_size: int
@@ -62,6 +72,7 @@ class Plan:
     lane_weights: list[float] = field(default_factory=list)
     shared_params: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         self.task_graphs = [tg if isinstance(tg, TaskGraph) else TaskGraph(**tg) for tg in self.task_graphs]
@@ -72,8 +83,8 @@ class Plan:
     # --- derived layout ----------------------------------------------------------------------------------
     @property
     def num_stages(self) -> int:
-        """Number of pipeline stages (= TaskGraphs)."""
-        return len(self.task_graphs)
+        """Number of pipeline stages (= TaskGraphs, or 1 when they are colocated)."""
+        return 1 if self.colocated else len(self.task_graphs)
 
     @property
     def stage_width(self) -> int:
@@ -106,6 +117,20 @@ class Plan:
     def stage_ranks(self, stage: int) -> list[int]:
         """Ranks of one stage, ordered by lane (the stage's data-parallel group)."""
         return [self.rank_of(stage, lane) for lane in range(self.num_lanes)]
+
+    def stage_task_graphs(self, stage: int) -> list[TaskGraph]:
+        """TaskGraphs run by a stage (all of them when colocated)."""
+        return self.task_graphs if self.colocated else [self.task_graphs[stage]]
+
+    def split_group_ranks(self, stage: int, replica: int) -> list[int]:
+        """The n ranks of one replica of a stage: the devices a split shards over (group-rank order)."""
+        n = self.stage_width
+        return [self.rank_of(stage, replica * n + j) for j in range(n)]
+
+    def shard_replica_ranks(self, stage: int, shard: int) -> list[int]:
+        """Ranks holding the same shard in every replica: their split gradients are summed."""
+        n = self.stage_width
+        return [self.rank_of(stage, k * n + shard) for k in range(self.num_replicas)]
 
     # --- batch apportioning ------------------------------------------------------------------------------
     def micro_batch_rows(self, global_batch: int) -> list[list[tuple[int, int]]]:
@@ -149,6 +174,10 @@ class Plan:
                 "every stage the same device_count (nested data parallelism replicates the whole pipeline)"
             )
         per_replica = self.num_stages * self.stage_width
+        for tg in self.task_graphs:
+            if tg.shard_weights and len(tg.shard_weights) != tg.device_count:
+                raise PlanError(f"TaskGraph {tg.index}: {len(tg.shard_weights)} shard_weights for "
+                                f"{tg.device_count} devices")
         if self.num_replicas < 1 or per_replica * self.num_replicas != self.world_size:
             raise PlanError(
                 f"{self.num_replicas} replica(s) x {per_replica} devices != world size {self.world_size}"

@@ -38,15 +38,41 @@ def _scope_text(tgs: list[TaskGraphSummary], counts: list[int]) -> str:
     return f"{names} need {'+'.join(map(str, counts))} = {sum(counts)} devices per replica"
 
 
-def resolve_device_counts(tgs: list[TaskGraphSummary], world_size: int) -> tuple[list[int], int]:
+def is_colocated(tgs: list[TaskGraphSummary], num_micro_batch: int) -> bool:
+    """TaskGraphs share devices (run one after another, bridged) when a split TaskGraph stands beside others
+    and there is no micro-batching (Whale's replicate backbone + split head); otherwise several TaskGraphs
+    are pipeline stages on devices of their own."""
+    return len(tgs) > 1 and num_micro_batch == 1 and any(tg.kind == "split" for tg in tgs)
+
+
+def _colocated_counts(tgs: list[TaskGraphSummary], world_size: int) -> list[int]:
+    counts = [tg.device_count or world_size for tg in tgs]
+    if len(set(counts)) != 1:
+        raise PlanError(
+            f"{' + '.join(f'{tg.kind}({c})' for tg, c in zip(tgs, counts, strict=True))} share their devices "
+            "(a split beside other TaskGraphs without micro-batching), so they need the same device count; "
+            "give them equal counts (or None for all devices)")
+    return counts
+
+
+def resolve_device_counts(tgs: list[TaskGraphSummary], world_size: int,
+                          colocated: bool = False) -> tuple[list[int], int]:
     """Devices per replica for each TaskGraph and the nested data-parallel degree K.
 
-    ``device_count=None`` means all devices when there is one TaskGraph, and 1 device per replica when there
-    are several (nested data parallelism then copies the pipeline over the rest of the world).
+    ``device_count=None`` means all devices when there is one TaskGraph or they are colocated, and 1 device
+    per replica when there are several stages (nested data parallelism then copies the pipeline over the rest
+    of the world).
 
     Raises:
-        PlanError: the world size is not a multiple of the devices one replica needs.
+        PlanError: the world size is not a multiple of the devices one replica needs; colocated TaskGraphs
+            with different device counts.
     """
+    if colocated:
+        counts = _colocated_counts(tgs, world_size)
+        if world_size % counts[0]:
+            raise PlanError(f"{_scope_text(tgs[:1], counts[:1])} but world size {world_size} is not a "
+                            f"multiple of {counts[0]}; launch a multiple of {counts[0]} processes")
+        return counts, world_size // counts[0]
     if len(tgs) == 1:
         counts = [tgs[0].device_count or world_size]
     else:
@@ -84,7 +110,9 @@ def make_plan(
         raise PlanError(f"world size {world_size} must be >= 1")
     if not tgs:
         raise PlanError("the model has no TaskGraphs (no parameters?)")
-    counts, k = resolve_device_counts(tgs, world_size)
+    colocated = is_colocated(tgs, config.num_micro_batch)
+    counts, k = resolve_device_counts(tgs, world_size, colocated)
+    _check_nested(tgs, counts)
     lanes = k * counts[0]
     weights = list(config.load_shares) if config.load_shares else [1.0] * lanes
     if len(weights) != lanes and len(set(counts)) == 1:
@@ -105,4 +133,16 @@ def make_plan(
         lane_weights=weights,
         shared_params=list(shared_params or []),
         notes=list(notes or []),
+        colocated=colocated,
     )
+
+
+def _check_nested(tgs: list[TaskGraphSummary], counts: list[int]) -> None:
+    for tg, c in zip(tgs, counts, strict=True):
+        for nest in tg.nested:
+            want = nest.get("device_count")
+            if want is not None and want != c:
+                raise PlanError(
+                    f"{nest['kind']}({want}) nested in {tg.kind}({c}) must span the same {c} devices (a sharded "
+                    f"operator inside each replica uses the replica's devices); use {nest['kind']}({c}) or "
+                    f"{nest['kind']}()")

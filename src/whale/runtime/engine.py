@@ -13,10 +13,13 @@ from torch import nn
 
 from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import StageRun, execute
+from whale.parallel.regions import install_split_regions
 from whale.parallel.schedule import Action, make_schedule
 from whale.plan.plan import Plan
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
+from whale.runtime.groups import build_groups, sync_sets
+from whale.runtime.optim import make_optimizer
 
 
 def _slice(x, start: int, stop: int):
@@ -35,18 +38,6 @@ def _batch_size(x) -> int:
     raise TypeError(f"cannot find the batch dimension of {type(x).__name__}: pass tensors (dim 0 = samples)")
 
 
-def _build_groups(plan: Plan, shared_stages: list[list[int]]) -> dict[tuple[int, ...], object]:
-    """Create every process group the plan needs, in the same order on all ranks."""
-    sets = [tuple(plan.stage_ranks(s)) for s in range(plan.num_stages)]
-    for stages in shared_stages:
-        sets.append(tuple(sorted(r for s in stages for r in plan.stage_ranks(s))))
-    groups: dict[tuple[int, ...], object] = {}
-    for ranks in sets:
-        if ranks not in groups:
-            groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-    return groups
-
-
 class Engine:
     """Runs training steps of one rank's stage under a plan. Made by :func:`whale.parallelize`.
 
@@ -57,43 +48,38 @@ class Engine:
         stage, lane: this rank's pipeline stage and data-parallel lane.
     """
 
-    def __init__(self, plan: Plan, module: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                 ctx: Context, shared_stages: list[list[int]] | None = None) -> None:
-        self.plan, self.module, self.loss_fn, self.optimizer, self.ctx = plan, module, loss_fn, optimizer, ctx
+    def __init__(self, plan: Plan, module: nn.Module, loss_fn: Callable, optimizer, ctx: Context,
+                 shared_stages: list[list[int]] | None = None) -> None:
+        self.plan, self.loss_fn, self.ctx = plan, loss_fn, ctx
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.module.to(ctx.device)
         self.actions: list[Action] = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
         self.steps_done = 0
         self._history: deque = deque(maxlen=20)
-        groups = _build_groups(plan, shared_stages or []) if ctx.world_size > 1 else {}
-        self._param_groups = self._sync_sets(groups, shared_stages or [])
-        src = {g: min(r) for r, g in groups.items() if g is not None}
-        broadcast_params(self._param_groups, src)
+        shared_stages = shared_stages or []
+        groups = build_groups(plan, shared_stages) if ctx.world_size > 1 else {}
+        self.module, self.regions = install_split_regions(module, plan, self.stage, self.lane, groups)
+        self.module.to(ctx.device)
+        self.split_loss = any(r.sharded_output for r in self.regions)
+        split_params = {id(p) for r in self.regions for p in r.parameters()}
+        self._param_groups = sync_sets(plan, self.module, self.stage, self.lane, groups, shared_stages, split_params)
+        broadcast_params(self._param_groups, {g: min(r) for r, g in groups.items() if g is not None})
+        self.optimizer = make_optimizer(optimizer, self.module)
         self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
 
-    def _sync_sets(self, groups, shared_stages) -> list[tuple[object, list[nn.Parameter]]]:
-        if not groups:
-            return [(None, list(self.module.parameters()))]
-        shared_ids: set[int] = set()
-        out = []
-        for names, stages in zip(self.plan.shared_params, shared_stages, strict=True):
-            if self.stage not in stages:
-                continue
-            ranks = tuple(sorted(r for s in stages for r in self.plan.stage_ranks(s)))
-            local = dict(self.module.named_parameters(remove_duplicate=False))
-            param = next(local[n] for n in names if n in local)
-            shared_ids.add(id(param))
-            out.append((groups[ranks], [param]))
-        own = [p for p in self.module.parameters() if id(p) not in shared_ids]
-        out.insert(0, (groups[tuple(self.plan.stage_ranks(self.stage))], own))
-        return out
-
     # --- stepping ----------------------------------------------------------------------------------------
-    def _stage_run(self, batch) -> StageRun:
+    def _stage_run(self, batch, metrics: dict | None = None) -> StageRun:
         inputs, target = batch
         total = _batch_size(inputs)
-        rows = self.plan.micro_batch_rows(total)[self.lane]
+        rows_all = self.plan.micro_batch_rows(total)
+        rows = rows_all[self.lane]
+        n = self.plan.stage_width
+        first_lane = self.lane - self.lane % n
+        for region in self.regions:
+            region.set_rows([rows_all[lane][0][1] - rows_all[lane][0][0] for lane in range(first_lane, first_lane + n)])
+        loss_rows = rows
+        if self.split_loss:  # class-sharded logits cover the rows of every lane of this replica
+            loss_rows = [(a, rows_all[first_lane + n - 1][i][1]) for i, (a, _) in enumerate(rows_all[first_lane])]
         is_last = self.stage == self.plan.num_stages - 1
         prev = self.plan.rank_of(self.stage - 1, self.lane) if self.stage > 0 else None
         nxt = self.plan.rank_of(self.stage + 1, self.lane) if not is_last else None
@@ -101,27 +87,29 @@ class Engine:
         return StageRun(
             module=self.module, stage=self.stage, num_stages=self.plan.num_stages, prev_rank=prev, next_rank=nxt,
             inputs=[_to(_slice(inputs, a, b), dev) for a, b in rows] if self.stage == 0 else [],
-            targets=[_to(_slice(target, a, b), dev) for a, b in rows] if is_last else [],
-            scales=[(b - a) / total for a, b in rows], loss_fn=self.loss_fn, device=dev,
-            before_last_backward=self._arm,
+            targets=[_to(_slice(target, a, b), dev) for a, b in loss_rows] if is_last else [],
+            scales=[(b - a) / total for a, b in loss_rows], loss_fn=self.loss_fn, device=dev,
+            before_last_backward=self._arm, count_loss=not self.split_loss or self.lane % n == 0,
+            metric_fns=metrics or {},
         )
 
     def _fuse_loss(self) -> bool:
-        # one stage and one data-parallel group: the loss rides on the last gradient bucket
-        return self.plan.num_stages == 1 and bool(self.grad_sync.buckets)
+        # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
+        return (self.plan.num_stages == 1 and not self.regions and not self.plan.shared_params
+                and bool(self.grad_sync.buckets))
 
     def _arm(self, run: StageRun) -> None:
         extra = torch.tensor([run.loss_sum], dtype=torch.float64) if self._fuse_loss() else None
         self.grad_sync.arm(extra)
 
-    def _global_loss(self, loss_sum: float, fused: bool = False) -> float:
+    def _global_sum(self, values: list[float], fused: bool = False) -> list[float]:
         if fused:
-            return float(self.grad_sync.extra[0])
+            return [float(self.grad_sync.extra[0])]
         if self.world_size == 1:
-            return loss_sum
-        t = torch.tensor([loss_sum], dtype=torch.float64, device=self.ctx.device)
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(t)
-        return float(t.item())
+        return t.tolist()
 
     def step(self, batch) -> dict:
         """One optimizer step on the global mini-batch ``batch = (inputs, target)``.
@@ -143,7 +131,7 @@ class Engine:
         self.grad_sync.finish()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._global_loss(run.loss_sum, fused=self._fuse_loss())
+        (loss,) = self._global_sum([run.loss_sum], fused=self._fuse_loss())
         elapsed = time.perf_counter() - start
         self.steps_done += 1
         self._history.append((run.busy, elapsed))
@@ -151,13 +139,24 @@ class Engine:
                 "stage": self.stage, "lane": self.lane, "sync_bytes": self.grad_sync.bytes_reduced - before}
 
     @torch.no_grad()
-    def eval_step(self, batch) -> dict:
-        """Forward only (eval mode) on the global batch; returns ``{"loss": mean over the global batch}``."""
+    def eval_step(self, batch, metrics: dict[str, Callable] | None = None) -> dict:
+        """Forward only (eval mode) on the global batch.
+
+        Args:
+            batch: ``(inputs, target)``, the global batch as in :meth:`step`.
+            metrics: ``{name: fn(output, target) -> mean over the rows}``, e.g. ``{"accuracy": wh.accuracy}``;
+                averaged over the global batch like the loss.
+
+        Returns:
+            ``{"loss": mean over the global batch, **metrics}``.
+        """
         self.module.eval()
         fwd = [a for a in self.actions if a.kind == "F"]
-        run = execute(self._stage_run(batch), fwd, self.plan.num_micro_batch, train=False)
+        run = execute(self._stage_run(batch, metrics), fwd, self.plan.num_micro_batch, train=False)
         self.module.train()
-        return {"loss": self._global_loss(run.loss_sum)}
+        names = list(metrics or {})
+        values = self._global_sum([run.loss_sum] + [run.metric_sums.get(k, 0.0) for k in names])
+        return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy (compute) and step seconds over recent steps, gathered from all ranks

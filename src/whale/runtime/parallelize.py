@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from whale.annotation import SPLIT, Scope, default_strategy, tensor_scopes, top_level
+from whale.annotation import Scope, default_strategy, tensor_scopes, top_level
 from whale.config import Config
 from whale.parallel.stages import build_stages
 from whale.plan.plan import Plan
@@ -73,22 +73,6 @@ def _summaries(model, tg_scopes, stage_modules, scopes) -> list[TaskGraphSummary
     return out
 
 
-def _local_optimizer(optimizer, module: nn.Module) -> torch.optim.Optimizer:
-    params = list(module.parameters())
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer(params)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, "
-                        f"got {type(optimizer).__name__}")
-    local = {id(p) for p in params}
-    groups = []
-    for g in optimizer.param_groups:
-        kept = [p for p in g["params"] if id(p) in local]
-        if kept:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": kept})
-    return type(optimizer)(groups)
-
-
 def parallelize(
     model: nn.Module,
     loss_fn: Callable,
@@ -114,15 +98,12 @@ def parallelize(
         ValueError: the model has no parameters.
         PlanError: device counts do not fit the world size (and other plan errors).
         StageError: the model cannot be cut into pipeline stages.
-        NotImplementedError: the plan needs ``split`` at run time (arrives with the split runtime).
+        SplitError: a module under ``split`` has no sharding rule.
     """
     ctx = ctx or current_context()
     plan, stage_modules, shared_stages = analyze(model, ctx.world_size, ctx.config)
-    _check_runnable(plan)
     stage, _ = plan.coords(ctx.rank)
-    module = stage_modules[stage]
-    opt = _local_optimizer(optimizer, module)
-    return Engine(plan, module, loss_fn, opt, ctx, shared_stages=shared_stages)
+    return Engine(plan, stage_modules[stage], loss_fn, optimizer, ctx, shared_stages=shared_stages)
 
 
 def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, list[nn.Module], list[list[int]]]:
@@ -150,12 +131,3 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None) 
         ValueError, PlanError, StageError: as :func:`parallelize`.
     """
     return analyze(model, world_size, config or Config())[0]
-
-
-def _check_runnable(plan: Plan) -> None:
-    for tg in plan.task_graphs:
-        if tg.kind == SPLIT or any(n["kind"] == SPLIT for n in tg.nested):
-            raise NotImplementedError(
-                f"TaskGraph {tg.index} needs split (operator sharding) at run time, which is not implemented "
-                "yet (tracked by the split issue); the plan itself is available via whale.plan_model(...)."
-            )

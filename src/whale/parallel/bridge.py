@@ -1,0 +1,139 @@
+"""Bridges between a replicate TaskGraph and a split TaskGraph on the same devices (DESIGN.md §2 "bridge").
+
+Under ``replicate`` each of the n ranks of a split group holds its own rows of the micro-batch (its
+data-parallel share, possibly uneven); a split part needs every row of the group on every rank. A
+:class:`SplitRegion` wraps one sharded module and puts the bridges around it:
+
+- **in** (replicate -> split): all-gather the rows along the batch dim (dim 0). Backward: every rank's sharded
+  operator produced a gradient for all rows from its own shard only; they are summed over the group and each
+  rank keeps its own rows (a reduce-scatter, done as all-reduce + slice). Bytes per rank: forward
+  ``n x max(rows) x m x itemsize`` (gloo needs equal sizes, so shards are padded), backward
+  ``N x m x itemsize`` (all-reduce), where N = rows of the group's micro-batch and m = elements per row.
+- **out** (split -> replicate): each rank keeps its own rows of the full output. Backward: all-gather of the
+  row gradients, ``n x max(rows) x m' x itemsize``.
+- **elided**: with a group of one rank (the module is not sharded at all), and at the model's end when the
+  split part yields class-sharded logits (a lone column-sharded ``nn.Linear``): they go straight to the loss as
+  :class:`ShardedLogits` over all the group's rows (the loss then averages over those rows; no scatter).
+
+Row counts per rank come from the plan (set by the engine through :meth:`SplitRegion.set_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from whale.parallel.split import ColumnParallelLinear
+from whale.parallel.split_loss import sharded_accuracy, sharded_cross_entropy
+from whale.parallel.split_ops import comm_bytes
+
+
+def _gather_rows(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
+    pad = max(rows)
+    buf = x.new_zeros((pad, *x.shape[1:]))
+    buf[: x.size(0)] = x
+    parts = [torch.empty_like(buf) for _ in rows]
+    dist.all_gather(parts, buf.contiguous(), group=group)
+    comm_bytes["bridge"] += buf.numel() * buf.element_size() * len(rows)
+    return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+
+
+def _own_rows(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
+    me = dist.get_rank(group)
+    start = sum(rows[:me])
+    return x[start: start + rows[me]]
+
+
+class _BridgeIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rows):
+        ctx.group, ctx.rows = group, rows
+        return _gather_rows(x, group, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        comm_bytes["bridge"] += grad.numel() * grad.element_size()
+        return _own_rows(grad, ctx.group, ctx.rows).contiguous(), None, None
+
+
+class _BridgeOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rows):
+        ctx.group, ctx.rows = group, rows
+        return _own_rows(x, group, rows).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad.contiguous(), ctx.group, ctx.rows), None, None
+
+
+@dataclass
+class ShardedLogits:
+    """Class-sharded logits ``[N, C_local]`` over all N rows of a split group, from a split classification head.
+
+    Columns ``[class_start, class_start + C_local)`` of the full ``[N, C]`` logits live on this rank. Only the
+    losses and metrics below accept it; the full logits are never gathered.
+    """
+
+    local: torch.Tensor
+    class_start: int
+    group: object
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # pragma: no cover - error path
+        raise TypeError(
+            f"{func.__name__} got class-sharded logits from a split head; use whale.cross_entropy / "
+            "whale.accuracy as the loss/metric, or put the head in an nn.Sequential with a following Linear "
+            "so that its output is gathered")
+
+
+def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean softmax cross-entropy over rows; ``output`` is ``[N, C]`` logits or :class:`ShardedLogits`
+    (computed without gathering logits: max and sum-of-exp all-reduces, see ``split_loss``)."""
+    if isinstance(output, ShardedLogits):
+        return sharded_cross_entropy(output.local, target, output.class_start, output.group)
+    return F.cross_entropy(output, target)
+
+
+def accuracy(output, target: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy (0-dim fp32) for ``[N, C]`` logits or :class:`ShardedLogits`."""
+    if isinstance(output, ShardedLogits):
+        return sharded_accuracy(output.local, target, output.class_start, output.group)
+    return (output.argmax(-1) == target).float().mean()
+
+
+class SplitRegion(nn.Module):
+    """One sharded module of a split TaskGraph with its bridges (see the module docstring).
+
+    Args:
+        sharded: this rank's shard (from :func:`whale.parallel.split.shard_module`).
+        group: the split group (n >= 2 ranks holding the shards).
+    """
+
+    def __init__(self, sharded: nn.Module, group) -> None:
+        super().__init__()
+        self.sharded = sharded
+        self.group = group
+        self.rows: list[int] | None = None
+        self.sharded_output = isinstance(sharded, ColumnParallelLinear) and not sharded.gather_output
+
+    def set_rows(self, rows: list[int]) -> None:
+        """Rows of the current micro-batch held by each rank of the group (group-rank order)."""
+        self.rows = list(rows)
+
+    def forward(self, x: torch.Tensor):
+        if self.rows is None:
+            raise RuntimeError("SplitRegion.set_rows was not called: the engine sets row counts per step")
+        if x.is_floating_point():
+            x = _BridgeIn.apply(x, self.group, self.rows)
+        else:  # token ids and the like: no gradient to bring back
+            x = _gather_rows(x, self.group, self.rows)
+        y = self.sharded(x)
+        if self.sharded_output:
+            return ShardedLogits(y, self.sharded.shard_start, self.group)
+        return _BridgeOut.apply(y, self.group, self.rows)

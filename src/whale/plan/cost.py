@@ -1,0 +1,129 @@
+"""Analytic cost model: compute, communication and memory (DESIGN.md §7).
+
+Pure functions of numbers. Units: FLOPs (floating-point operations), FLOP/s, bytes, bytes/s, seconds.
+Pipeline step times come from the simulator, not from here; this module gives its per-event costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from whale.cluster import DeviceType
+
+
+def _check(value: float, what: str, positive: bool = False) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{what} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def compute_time(flops: float, device: DeviceType | float, efficiency: float = 1.0, dtype: str = "fp32") -> float:
+    """Seconds to run ``flops`` FLOPs: flops / (peak x efficiency) (DESIGN.md §7).
+
+    Args:
+        flops: work, FLOPs (>= 0).
+        device: a :class:`~whale.cluster.DeviceType` (its ``dtype`` peak is used) or a peak in FLOP/s.
+        efficiency: achieved fraction of peak, in (0, 1] normally; calibrated per device type.
+        dtype: ``"fp32"`` or ``"bf16"``/``"fp16"`` (only used with a DeviceType).
+
+    Raises:
+        ValueError: negative flops, non-positive peak or efficiency.
+    """
+    peak = device.flops(dtype) if isinstance(device, DeviceType) else _check(device, "peak FLOP/s", positive=True)
+    return _check(flops, "flops") / (peak * _check(efficiency, "efficiency", positive=True))
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n x S (0 for n = 1)."""
+    if n < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n}")
+    return 2.0 * (n - 1) / n * _check(nbytes, "bytes")
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` bytes over ``n`` ranks (DESIGN.md §7).
+
+    Each rank sends 2(n-1)/n x S bytes over its slowest link (``bandwidth``, bytes/s), in 2(n-1) steps that
+    each pay ``latency`` seconds. Raises ValueError on n < 1, negative sizes or non-positive bandwidth.
+    """
+    sent = ring_allreduce_bytes(nbytes, n)
+    return sent / _check(bandwidth, "bandwidth", positive=True) + 2 * (n - 1) * _check(latency, "latency")
+
+
+def ring_allgather_time(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for a ring all-gather (or reduce-scatter) whose full result is ``nbytes`` bytes over ``n`` ranks:
+    each rank sends (n-1)/n x S bytes in n-1 steps. Raises ValueError like :func:`ring_allreduce_time`."""
+    if n < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n}")
+    sent = (n - 1) / n * _check(nbytes, "bytes")
+    return sent / _check(bandwidth, "bandwidth", positive=True) + (n - 1) * _check(latency, "latency")
+
+
+def p2p_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds to send ``nbytes`` bytes point to point: latency + bytes / bandwidth (bytes/s).
+
+    Raises ValueError on negative bytes/latency or non-positive bandwidth."""
+    return _check(latency, "latency") + _check(nbytes, "bytes") / _check(bandwidth, "bandwidth", positive=True)
+
+
+def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int, schedule: str = "1F1B") -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once.
+
+    1F1B: min(S - s, m) (stage s runs S - s forwards before its first backward); GPipe: m (all forwards first).
+    DESIGN.md §5. Raises ValueError on a bad stage, counts or schedule.
+    """
+    if num_stages < 1 or num_micro_batch < 1 or not 0 <= stage < num_stages:
+        raise ValueError(f"need 0 <= stage < num_stages and counts >= 1, got {stage}, {num_stages}, {num_micro_batch}")
+    if schedule == "1F1B":
+        return min(num_stages - stage, num_micro_batch)
+    if schedule == "GPipe":
+        return num_micro_batch
+    raise ValueError(f"schedule {schedule!r} is unknown; choose '1F1B' or 'GPipe'")
+
+
+def pipeline_bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
+    """Idle fraction of a GPipe/1F1B step on equal stages: (p - 1) / (m + p - 1) (DESIGN.md §7)."""
+    if num_stages < 1 or num_micro_batch < 1:
+        raise ValueError(f"stages and micro-batches must be >= 1, got {num_stages}, {num_micro_batch}")
+    return (num_stages - 1) / (num_micro_batch + num_stages - 1)
+
+
+def memory_per_device(
+    param_bytes: float,
+    grad_bytes: float,
+    optimizer_state_bytes: float,
+    activation_bytes: float = 0.0,
+    in_flight: int = 1,
+    buffer_bytes: float = 0.0,
+    zero_degree: int = 1,
+    zero_stage: int = 1,
+) -> float:
+    """Bytes one device needs (DESIGN.md §7): params + grads + optimizer state + activations in flight + buffers.
+
+    Args:
+        param_bytes, grad_bytes, optimizer_state_bytes: the device's (unsharded) model state, bytes.
+        activation_bytes: activation bytes saved for backward by one micro-batch on this device.
+        in_flight: micro-batches whose activations are held at once (see :func:`in_flight_micro_batches`).
+        buffer_bytes: module buffers plus any fixed workspace, bytes.
+        zero_degree: ranks the ZeRO sharding spreads state over (1 = none).
+        zero_stage: what ZeRO shards (Rajbhandari et al. 2020): 1 optimizer state, 2 also grads, 3 also params.
+
+    Raises:
+        ValueError: negative bytes, zero_degree or in_flight < 1, zero_stage not in 1..3.
+    """
+    if zero_degree < 1 or in_flight < 1 or zero_stage not in (1, 2, 3):
+        raise ValueError(f"need zero_degree >= 1, in_flight >= 1, zero_stage in 1..3; got "
+                         f"{zero_degree}, {in_flight}, {zero_stage}")
+    p, g, o = (_check(x, "bytes") for x in (param_bytes, grad_bytes, optimizer_state_bytes))
+    o /= zero_degree
+    g /= zero_degree if zero_stage >= 2 else 1
+    p /= zero_degree if zero_stage >= 3 else 1
+    return p + g + o + in_flight * _check(activation_bytes, "activation bytes") + _check(buffer_bytes, "buffer bytes")
+
+
+def utilization(times: list[float]) -> list[float]:
+    """Predicted busy fraction of each device when all wait for the slowest: t_i / max t (1.0 if all are 0)."""
+    top = max((_check(t, "time") for t in times), default=0.0)
+    return [t / top if top > 0 else 1.0 for t in times]
