@@ -62,3 +62,17 @@ def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: int 
         x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((x[:, :-1], x[:, 1:]))
     return out
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of every gradient it steps on (``self.grads[step][param_index]``), so tests can
+    compare gradients too: Adam normalizes away a constant gradient scale, which parameters alone would hide."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.grads: list[dict[int, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.grads.append({id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]
+                           if p.grad is not None})
+        return super().step(closure)

@@ -1,6 +1,7 @@
 """Every strategy trains to the same losses and parameters as one process on the same global batch.
 
 Reference: a ``deepcopy`` of the model trained by plain PyTorch on the whole batch with the same AdamW.
+Gradients are compared at every step as well as parameters (Adam would hide a wrong gradient scale).
 Tolerance: fp32, rtol 1e-5 / atol 1e-6 on losses and on every parameter after each compared run. AdamW runs
 at lr 1e-3: Adam normalizes each gradient element, so an element whose true gradient is ~0 moves by up to lr
 whatever low bits fp32 summation order leaves in it; at lr 1e-3 that stays inside atol.
@@ -15,7 +16,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import TinyLM, lm_batches, lm_loss
+from tests.models import RecordingAdamW, TinyLM, lm_batches, lm_loss
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -25,8 +26,8 @@ def _train_compare(rank, world, spec):
                             load_shares=spec.get("shares"), seed=0))
     model = TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
     ref = copy.deepcopy(model)
-    engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    engine = wh.parallelize(model, lm_loss, lambda ps: RecordingAdamW(ps, lr=1e-3), ctx=ctx)
+    ref_opt = RecordingAdamW(ref.parameters(), lr=1e-3)
     losses, ref_losses = [], []
     for x, y in lm_batches(spec.get("steps", 3), spec["batch"]):
         losses.append(engine.step((x, y))["loss"])
@@ -38,6 +39,9 @@ def _train_compare(rank, world, spec):
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     names = []
     for name, p in engine.module.named_parameters(remove_duplicate=False):
+        for step, (mine, theirs) in enumerate(zip(engine.optimizer.grads, ref_opt.grads, strict=True)):
+            torch.testing.assert_close(mine[id(p)], theirs[id(ref_params[name])], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=name, s=step: f"grad of {n} at step {s}: {m}")
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=name: f"{n}: {m}")
         names.append(name)

@@ -12,7 +12,9 @@ Public API::
 
 from whale.annotation import AnnotationError, annotate, replicate, set_default_strategy, split
 from whale.config import Config, ConfigError
+from whale.parallel.bridge import ShardedLogits, accuracy, cross_entropy
 from whale.parallel.schedule import ScheduleError, make_schedule
+from whale.parallel.split import SplitError, register_split_rule
 from whale.parallel.stages import StageError
 from whale.plan.plan import Plan, PlanError
 from whale.runtime.context import Context, init
@@ -20,7 +22,7 @@ from whale.runtime.engine import Engine
 from whale.runtime.parallelize import parallelize, plan_model
 
 __all__ = [
-    "AnnotationError", "Config", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
+    "AnnotationError", "Config", "ShardedLogits", "SplitError", "accuracy", "cross_entropy", "register_split_rule", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
     "StageError", "annotate", "init", "make_schedule", "parallelize", "plan_model", "replicate",
     "set_default_strategy", "split",
 ]

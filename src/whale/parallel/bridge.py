@@ -4,11 +4,11 @@ Under ``replicate`` each of the n ranks of a split group holds its own rows of t
 data-parallel share, possibly uneven); a split part needs every row of the group on every rank. A
 :class:`SplitRegion` wraps one sharded module and puts the bridges around it:
 
-- **in** (replicate -> split): all-gather the rows along the batch dim (dim 0). Backward: every rank's sharded
-  operator produced a gradient for all rows from its own shard only; they are summed over the group and each
-  rank keeps its own rows (a reduce-scatter, done as all-reduce + slice). Bytes per rank: forward
-  ``n x max(rows) x m x itemsize`` (gloo needs equal sizes, so shards are padded), backward
-  ``N x m x itemsize`` (all-reduce), where N = rows of the group's micro-batch and m = elements per row.
+- **in** (replicate -> split): all-gather the rows along the batch dim (dim 0). Backward: each rank keeps the
+  gradient of its own rows. (Every sharded operator's input already sums the partial gradients of all shards
+  over the group -- ``copy_to_group`` in a column-sharded Linear -- so the gradient arriving here is complete
+  on every rank; summing again would count it n times.) Bytes per rank: forward ``n x max(rows) x m x
+  itemsize`` (gloo needs equal sizes, so shards are padded), backward none, where m = elements per row.
 - **out** (split -> replicate): each rank keeps its own rows of the full output. Backward: all-gather of the
   row gradients, ``n x max(rows) x m' x itemsize``.
 - **elided**: with a group of one rank (the module is not sharded at all), and at the model's end when the
@@ -56,9 +56,6 @@ class _BridgeIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        comm_bytes["bridge"] += grad.numel() * grad.element_size()
         return _own_rows(grad, ctx.group, ctx.rows).contiguous(), None, None
 
 

@@ -46,10 +46,24 @@ class StageGraphs:
     shared_stages: list[list[int]]
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with an error message that says how to make the model traceable."""
+class _Tracer(fx.Tracer):
+    """Keeps the given modules (split targets, replaced by sharded regions after the cut) as single calls."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+
+def trace(model: nn.Module, leaves: set[str] | None = None) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` (modules named in ``leaves`` stay opaque calls) with an error message that
+    says how to make the model traceable."""
     try:
-        return fx.symbolic_trace(model)
+        tracer = _Tracer(set(leaves or ()))
+        graph = tracer.trace(model)
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # noqa: BLE001 - re-raised with guidance
         raise StageError(
             f"pipelining needs a model that torch.fx.symbolic_trace can trace, and tracing "
@@ -137,18 +151,20 @@ def _stage_graph(gm, stages, s, inputs, outputs) -> fx.Graph:
     return g
 
 
-def build_stages(model: nn.Module, stage_of: dict[int, int], num_stages: int) -> StageGraphs:
+def build_stages(model: nn.Module, stage_of: dict[int, int], num_stages: int,
+                 leaves: set[str] | None = None) -> StageGraphs:
     """Trace ``model`` and cut it into ``num_stages`` stage modules (see the module docstring).
 
     Args:
         model: the full local model (all ranks build it identically).
         stage_of: ``id(parameter or buffer) -> stage`` for annotated tensors.
         num_stages: S >= 1.
+        leaves: module FQNs to keep whole (split regions are swapped in for them on each rank).
 
     Raises:
         StageError: the model cannot be traced, or some stage ends up with no work at all.
     """
-    gm = trace(model)
+    gm = trace(model, leaves)
     stages = assign_stages(gm, stage_of, num_stages)
     bounds = _boundaries(gm, stages, num_stages)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

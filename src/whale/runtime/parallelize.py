@@ -11,7 +11,7 @@ from whale.annotation import Scope, default_strategy, tensor_scopes, top_level
 from whale.config import Config
 from whale.parallel.stages import build_stages
 from whale.plan.plan import Plan
-from whale.plan.planner import TaskGraphSummary, make_plan
+from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
 from whale.runtime.context import Context, current_context
 from whale.runtime.engine import Engine
 
@@ -53,13 +53,28 @@ def _task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[int, int], d
     return ordered, stage_of, scopes
 
 
-def _summaries(model, tg_scopes, stage_modules, scopes) -> list[TaskGraphSummary]:
-    all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    all_names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+def _tensor_names(mod: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(mod.named_parameters(remove_duplicate=False))
+    out.update(mod.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _colocated_names(model: nn.Module, tg_scopes: list[Scope], scopes: dict[str, Scope]) -> list[set[str]]:
+    """Tensor names per colocated TaskGraph; unannotated tensors join the first replicate TaskGraph."""
+    sets: list[set[str]] = [set() for _ in tg_scopes]
+    index = {s.uid: i for i, s in enumerate(tg_scopes)}
+    home = next((i for i, s in enumerate(tg_scopes) if s.kind == "replicate"), 0)
+    for name in _tensor_names(model):
+        scope = scopes.get(name)
+        sets[index[top_level(scope).uid] if scope is not None else home].add(name)
+    return sets
+
+
+def _summaries(model, tg_scopes, name_sets: list[set[str]], scopes) -> list[TaskGraphSummary]:
+    tensors = _tensor_names(model)
+    all_names = list(tensors)
     out = []
-    for scope, mod in zip(tg_scopes, stage_modules, strict=True):
-        names = {n for n, _ in mod.named_parameters(remove_duplicate=False)}
-        names |= {n for n, _ in mod.named_buffers(remove_duplicate=False)}
+    for scope, names in zip(tg_scopes, name_sets, strict=True):
         nested: dict[int, dict] = {}
         for n in sorted(names):
             s = scopes.get(n)
@@ -68,7 +83,8 @@ def _summaries(model, tg_scopes, stage_modules, scopes) -> list[TaskGraphSummary
                 entry["names"].add(n)
         nest = [{"kind": e["kind"], "device_count": e["device_count"],
                  "modules": compress_names(e["names"], all_names)} for e in nested.values()]
-        numel = sum(p.numel() for p in mod.parameters())
+        params = {id(tensors[n]): tensors[n] for n in names if isinstance(tensors[n], nn.Parameter)}
+        numel = sum(p.numel() for p in params.values())
         out.append(TaskGraphSummary(scope.kind, scope.device_count, compress_names(names, all_names), numel, nest))
     return out
 
@@ -115,12 +131,17 @@ def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, li
     if not any(True for _ in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
     tg_scopes, stage_of, scopes = _task_graph_scopes(model)
-    if len(tg_scopes) > 1:
-        graphs = build_stages(model, stage_of, len(tg_scopes))
+    kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
+    if len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch):
+        split_names = {n for n, sc in scopes.items() if sc.kind == "split"}
+        leaves = set(compress_names(split_names, list(_tensor_names(model))))
+        graphs = build_stages(model, stage_of, len(tg_scopes), leaves)
         stage_modules, shared, shared_stages = graphs.modules, graphs.shared, graphs.shared_stages
+        name_sets = [set(_tensor_names(m)) for m in stage_modules]
     else:
         stage_modules, shared, shared_stages = [model], [], []
-    plan = make_plan(_summaries(model, tg_scopes, stage_modules, scopes), world_size, config, shared)
+        name_sets = _colocated_names(model, tg_scopes, scopes)
+    plan = make_plan(_summaries(model, tg_scopes, name_sets, scopes), world_size, config, shared)
     return plan, stage_modules, shared_stages
 
 
