@@ -22,8 +22,8 @@ from whale.runtime.engine import Engine
 from whale.runtime.parallelize import parallelize, plan_model
 
 __all__ = [
-    "AnnotationError", "Config", "ShardedLogits", "SplitError", "accuracy", "cross_entropy", "register_split_rule", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
-    "StageError", "annotate", "init", "make_schedule", "parallelize", "plan_model", "replicate",
-    "set_default_strategy", "split",
+    "AnnotationError", "Config", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
+    "ShardedLogits", "SplitError", "StageError", "accuracy", "annotate", "cross_entropy", "init", "make_schedule",
+    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
 ]
 __version__ = "0.1.0"
