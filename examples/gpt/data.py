@@ -156,6 +156,7 @@ def prepare(data_dir: str | Path = DEFAULT_DATA_DIR, vocab_size: int = DEFAULT_V
     meta = _read_meta(data_dir)
     if out["ready"].exists() and meta.get("vocab_size") == vocab_size:
         _say(f"cached: {data_dir} (vocab {vocab_size}, {meta['train_tokens']:,} train tokens)")
+        out["ready"].touch()  # keep make's target fresh
         return out
     out["ready"].unlink(missing_ok=True)
     paths = fetch_texts(data_dir)

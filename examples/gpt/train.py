@@ -1,0 +1,272 @@
+"""Train the example GPT on Shakespeare with Whale: data parallel x pipeline, from annotations in the model.
+
+Launch (from the repo root; ``make train`` does the first)::
+
+    whale launch -n 4 examples/gpt/train.py                # 2 data-parallel lanes x 2 pipeline stages
+    torchrun --standalone --nproc-per-node 4 examples/gpt/train.py --stages 2 --micro-batches 4
+    python examples/gpt/train.py --stages 1                # one process, plain data parallel of one
+
+The world size must be a multiple of ``--stages``; ``world / stages`` lanes of data parallelism wrap the
+pipeline. Every rank draws the same global batch ``[batch_size, seq_len]``; Whale slices each rank's rows.
+Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, and writes
+a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an
+uninterrupted run (model, optimizer, RNG, step and data position are restored; the LR is a function of
+the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+import whale as wh  # noqa: E402
+from examples.gpt.data import (  # noqa: E402
+    DEFAULT_DATA_DIR,
+    TokenBatches,
+    eval_batches,
+    load_tokenizer,
+    load_tokens,
+    prepare,
+)
+from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; defaults fit ``make train`` (4 CPU processes, 2 cores) in a few minutes."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--steps", type=int, default=1000, help="optimizer steps in total (a resumed run continues to it)")
+    a("--stop-after", type=int, default=None,
+      help="stop (with a checkpoint) after this step, as if interrupted; --resume continues to --steps")
+    a("--batch-size", type=int, default=32, help="global batch (sequences per step, all ranks together)")
+    a("--seq-len", type=int, default=128, help="tokens per sequence (= model block size)")
+    a("--n-layer", type=int, default=4)
+    a("--n-head", type=int, default=4)
+    a("--n-embd", type=int, default=128)
+    a("--dropout", type=float, default=0.0)
+    a("--vocab-size", type=int, default=2048, help="BPE vocabulary (re-tokenizes the cache if it differs)")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay to 10%%)")
+    a("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    a("--weight-decay", type=float, default=0.1)
+    a("--micro-batches", type=int, default=4, help="micro-batches per step (pipeline depth)")
+    a("--stages", type=int, default=2, help="pipeline stages (wh.replicate(1) scopes in the model)")
+    a("--stage-layers", type=str, default=None, help="blocks per stage, e.g. 3,1 (default: even)")
+    a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    a("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: start/end only)")
+    a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")
+    a("--ckpt-dir", default="checkpoints/gpt")
+    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--resume", action="store_true", help="continue from --ckpt-dir if it holds a checkpoint")
+    a("--sample-tokens", type=int, default=120, help="tokens to generate at the end (0: none)")
+    a("--prompt", default="Ham.\n", help="prompt for the generated sample")
+    a("--seed", type=int, default=1337)
+    a("--data-dir", default=str(DEFAULT_DATA_DIR))
+    a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
+    a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
+    a("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    return p.parse_args(argv)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine from lr to lr/10."""
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits [b, T, V], y [b, T] -> scalar."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
+    """Rank 0 fetches/tokenizes (cached) while the others wait; then everyone opens the cache.
+
+    A failure on rank 0 is broadcast so that every rank stops with the reason instead of hanging.
+    """
+    error = [None]
+    if rank == 0:
+        try:
+            prepare(args.data_dir, args.vocab_size)
+        except Exception as exc:  # re-raised on every rank below
+            error[0] = f"{type(exc).__name__}: {exc}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(f"preparing the data in {args.data_dir} failed on rank 0: {error[0]}")
+    names = dict(tokenizer="tokenizer.json", train="train.bin", val="val.bin", meta="meta.json")
+    return {k: Path(args.data_dir) / v for k, v in names.items()}
+
+
+def build(args: argparse.Namespace, ctx) -> tuple[GPTConfig, wh.Engine]:
+    """The model (annotated when ``--stages > 1``) and its engine on this rank."""
+    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
+    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers)
+    n_params = model.num_params()
+    engine = wh.parallelize(
+        model, loss_fn=loss_fn,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
+                                                   betas=(0.9, 0.95)),
+    )
+    if ctx.rank == 0:
+        print(f"GPT: {n_params:,} parameters, {cfg}", flush=True)
+        print(engine.plan, flush=True)
+    return cfg, engine
+
+
+def evaluate(engine: wh.Engine, val_tokens, args: argparse.Namespace) -> float:
+    """Mean held-out loss over the fixed ``--eval-batches`` batches (collective: every rank calls it)."""
+    losses = [engine.eval_step(b)["loss"] for b in eval_batches(val_tokens, args.eval_batches,
+                                                                args.batch_size, args.seq_len)]
+    return sum(losses) / len(losses)
+
+
+def save(engine: wh.Engine, args, step: int, batches: TokenBatches, state: dict) -> None:
+    """Checkpoint model/optimizer/RNG (library) plus step, data position and the run's history (extra)."""
+    engine.save_checkpoint(args.ckpt_dir, extra={"step": step, "data": batches.state_dict(), **state})
+
+
+def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
+    """Restore the latest checkpoint when ``--resume`` and one exists; returns (start step, history)."""
+    if not (args.resume and (Path(args.ckpt_dir) / "plan.json").exists()):
+        return 0, {}
+    extra = engine.load_checkpoint(args.ckpt_dir)
+    batches.load_state_dict(extra["data"])
+    if engine.rank == 0:
+        print(f"resumed from {args.ckpt_dir} at step {extra['step']}", flush=True)
+    return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
+
+
+def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict) -> dict:
+    """Run steps ``start..end-1``; returns ``state`` with val losses, train losses, throughput and times."""
+    rank0 = engine.rank == 0
+    tokens_per_step = args.batch_size * args.seq_len
+    bar = tqdm(total=args.steps, initial=start, disable=not rank0 or args.no_progress, dynamic_ncols=True,
+               desc="train", unit="step")
+    state.setdefault("val", [])
+    state.setdefault("train_time", 0.0)
+    state.setdefault("train_tokens", 0)
+    state.setdefault("train_loss", [])
+    for step in range(start, end):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        m = engine.step(next(batches))
+        state["train_time"] += m["step_time"]
+        state["train_tokens"] += tokens_per_step
+        state["train_loss"].append(m["loss"])
+        tok_s = state["train_tokens"] / state["train_time"]
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr_at(step, args):.1e}")
+        bar.update(1)
+        done = step + 1
+        if args.no_progress and rank0 and (done % 25 == 0 or done == end):
+            print(f"step {done}/{args.steps} loss {m['loss']:.4f} tok/s {tok_s:,.0f}", flush=True)
+        if (args.eval_every and done % args.eval_every == 0) or done == end:
+            v = evaluate(engine, val_tokens, args)
+            state["val"].append([done, v])
+            if rank0:
+                bar.write(f"step {done}: held-out loss {v:.4f} (train loss {m['loss']:.4f})")
+        if args.ckpt_every and done % args.ckpt_every == 0 and done != end:
+            save(engine, args, done, batches, state)
+    bar.close()
+    return state
+
+
+def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
+    """Per stage: busy and idle share of the step (recent steps) vs the 1F1B/GPipe theory (collective)."""
+    stats = engine.stage_stats()
+    p, m = engine.plan.num_stages, engine.plan.num_micro_batch
+    theory = (p - 1) / (m + p - 1)
+    rows = [dict(stage=s["stage"], busy_s=s["busy"], step_s=s["step"], busy_share=s["busy"] / s["step"],
+                 idle_share=1 - s["busy"] / s["step"], theory_idle=theory) for s in stats if s["step"]]
+    if engine.rank == 0:
+        print(f"\nbubble report: {p} stage(s), {m} micro-batch(es), {args.schedule}; "
+              f"theory idle (p-1)/(m+p-1) = {theory:.3f}")
+        print(" stage  busy s/step  step s  busy share  idle share  theory idle")
+        for r in rows:
+            print(f" {r['stage']:>5}  {r['busy_s']:>11.3f}  {r['step_s']:>6.3f}  {r['busy_share']:>10.1%}"
+                  f"  {r['idle_share']:>10.1%}  {r['theory_idle']:>11.1%}")
+        print(" (busy = this stage's forward/backward compute; idle = waiting on other stages and on "
+              "gradient sync; 4 processes share the CPU cores, so compute times include contention)")
+    return rows
+
+
+def sample(cfg: GPTConfig, full_state: dict, args: argparse.Namespace) -> str:
+    """Rank 0: load the gathered weights into a plain GPT and generate text after ``--prompt``."""
+    model = GPT(cfg)
+    model.load_state_dict(full_state)
+    tok = load_tokenizer(args.data_dir)
+    idx = torch.tensor([tok.encode(args.prompt).ids], dtype=torch.long)  # [1, T0]
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        out = model.generate(idx, args.sample_tokens, temperature=0.8, top_k=50)
+    return tok.decode(out[0].tolist())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    wall0 = time.time()
+    ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
+                            cluster=args.cluster))
+    paths = prepare_data(args, ctx.rank)
+    cfg, engine = build(args, ctx)
+    batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
+    val_tokens = load_tokens(paths["val"])
+    start, state = maybe_resume(engine, args, batches)
+    if "val0" not in state:
+        state["val0"] = evaluate(engine, val_tokens, args)
+    if ctx.rank == 0:
+        print(f"step {start}: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})")
+    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
+    state = train_loop(engine, args, batches, val_tokens, start, end, state)
+    state["steps_done"] = end
+    save(engine, args, end, batches, state)
+    full = engine.full_state_dict()
+    bubble = bubble_report(engine, args)
+    if ctx.rank == 0:
+        finish(args, cfg, engine, full, state, bubble, time.time() - wall0)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
+    """Rank 0: print the result lines and the sample; write the JSON summary."""
+    final = state["val"][-1][1] if state["val"] else state["val0"]
+    drop = state["val0"] - final
+    tok_s = state["train_tokens"] / max(state["train_time"], 1e-9)
+    print(f"\nheld-out loss: initial {state['val0']:.4f} -> final {final:.4f} (drop {drop:.3f} nats)")
+    print(f"throughput {tok_s:,.0f} tokens/s; wall time {wall_s:.1f} s; checkpoint in {args.ckpt_dir}")
+    text = sample(cfg, full, args) if args.sample_tokens else ""
+    if text:
+        print("\n--- sample ---\n" + text + "\n--------------")
+    summary = dict(
+        initial_val_loss=state["val0"], final_val_loss=final, val_loss_drop=drop, val_curve=state["val"],
+        train_loss=state["train_loss"],
+        tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
+        world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
+        schedule=args.schedule, bubble=bubble, config=vars(args), sample=text,
+    )
+    os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
+    with open(args.summary, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"summary written to {args.summary}")
+
+
+if __name__ == "__main__":
+    main()
