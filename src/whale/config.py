@@ -29,7 +29,16 @@ class Config:
     (all forwards, then all backwards)."""
 
     cluster: Any = None
-    """Cluster spec: a path to a YAML file or a spec object. ``None`` means identical devices (CPU here)."""
+    """Cluster spec: a path to a YAML file or a :class:`whale.cluster.ClusterSpec`. ``None``: detected on GPUs,
+    identical devices on CPU. ``whale launch --cluster`` sets it through ``WHALE_CLUSTER``."""
+
+    hardware_aware: bool = True
+    """Balance work by device capability (DESIGN.md §5) when the cluster spec mixes device types: lane batch
+    shares and split shard sizes proportional to FLOPS within memory, pipeline devices ordered by memory, and
+    (given a sample batch) stage cuts that minimize the slowest stage."""
+
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (over all stages, lanes and shards) to this value; ``None``: no clipping."""
 
     seed: int = 0
     """Seed for torch's RNG, set identically on every rank by :func:`whale.init` so replicas start equal."""
@@ -65,6 +74,8 @@ class Config:
             if not shares or any(not (float(s) > 0) for s in shares):
                 raise ConfigError(f"load_shares={self.load_shares!r} must be a non-empty tuple of numbers > 0")
             object.__setattr__(self, "load_shares", tuple(float(s) for s in shares))
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm} must be > 0 or None")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -62,6 +62,12 @@ class Plan:
         notes: free-form lines shown in the printout (e.g. "emulated cluster").
         colocated: the TaskGraphs share the same devices and run one after another in one stage (Whale's
             replicate backbone + split head); otherwise each TaskGraph is a pipeline stage on its own devices.
+        device_order: slot -> global rank (empty = identity). Slot ``k*D + s*n + j`` runs stage s of lane
+            ``k*n + j``; the hardware-aware planner reorders devices (e.g. largest memory on stage 0).
+        devices: device type name of each rank (from the cluster spec; empty when unknown).
+        predicted_utilization: per rank, predicted busy share of the step (1.0 = the bottleneck device).
+        stage_layers: when the planner cut the pipeline, the unit names each stage holds.
+        stage_flops: training FLOPs per sample of each stage, when the model was profiled.
     """
 
     world_size: int
@@ -73,6 +79,11 @@ class Plan:
     shared_params: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     colocated: bool = False
+    device_order: list[int] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    predicted_utilization: list[float] = field(default_factory=list)
+    stage_layers: list[list[str]] = field(default_factory=list)
+    stage_flops: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.task_graphs = [tg if isinstance(tg, TaskGraph) else TaskGraph(**tg) for tg in self.task_graphs]
@@ -105,12 +116,14 @@ class Plan:
         """Global rank running ``stage`` for ``lane``."""
         n = self.stage_width
         k, j = divmod(lane, n)
-        return k * self.num_stages * n + stage * n + j
+        slot = k * self.num_stages * n + stage * n + j
+        return self.device_order[slot] if self.device_order else slot
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(stage, lane)`` of a global rank."""
+        slot = self.device_order.index(rank) if self.device_order else rank
         n, s_count = self.stage_width, self.num_stages
-        k, rest = divmod(rank, s_count * n)
+        k, rest = divmod(slot, s_count * n)
         stage, j = divmod(rest, n)
         return stage, k * n + j
 
@@ -189,6 +202,10 @@ class Plan:
             )
         if self.num_micro_batch < 1:
             raise PlanError(f"num_micro_batch={self.num_micro_batch} must be >= 1")
+        if self.device_order and sorted(self.device_order) != list(range(self.world_size)):
+            raise PlanError(f"device_order {self.device_order} must be a permutation of 0..{self.world_size - 1}")
+        if self.devices and len(self.devices) != self.world_size:
+            raise PlanError(f"devices lists {len(self.devices)} entries for world size {self.world_size}")
         if self.schedule not in ("1F1B", "GPipe"):
             raise PlanError(f"schedule {self.schedule!r} is unknown; choose '1F1B' or 'GPipe'")
 

@@ -8,17 +8,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from whale.cluster import ClusterSpec, detect_cluster
 from whale.config import Config
 
 
 @dataclass(frozen=True)
 class Context:
-    """What a rank knows after :func:`init`: its config, rank, world size and compute device."""
+    """What a rank knows after :func:`init`: its config, rank, world size, compute device and cluster spec
+    (``None`` when the job runs on CPUs without a spec: devices are then taken as identical)."""
 
     config: Config
     rank: int
     world_size: int
     device: torch.device
+    cluster: ClusterSpec | None = None
 
     @property
     def is_main(self) -> bool:
@@ -59,9 +62,27 @@ def init(config: Config | None = None) -> Context:
     else:
         device = torch.device("cpu")
     torch.manual_seed(config.seed)
-    ctx = Context(config, rank, world, device)
+    ctx = Context(config, rank, world, device, resolve_cluster(config.cluster, world))
     _CURRENT[:] = [ctx]
     return ctx
+
+
+def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
+    """The job's cluster spec: a :class:`ClusterSpec`, a YAML path, or ``None`` (detected on GPUs; ``None`` on
+    CPU, where devices count as identical).
+
+    Raises:
+        ClusterError: the spec is invalid or declares a different number of devices than the world size.
+    """
+    if cluster is None:
+        spec = detect_cluster(world_size) if torch.cuda.is_available() else None
+    elif isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = ClusterSpec.from_yaml(os.fspath(cluster))
+    if spec is not None:
+        spec.check_world_size(world_size)
+    return spec
 
 
 def current_context() -> Context:

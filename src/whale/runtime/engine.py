@@ -18,7 +18,8 @@ from whale.parallel.schedule import Action, make_schedule
 from whale.plan.plan import Plan
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
-from whale.runtime.groups import build_groups, sync_sets
+from whale.runtime.emulation import emulation_slowdown
+from whale.runtime.groups import build_groups, norm_owned_params, sync_sets
 from whale.runtime.optim import make_optimizer
 
 
@@ -66,6 +67,9 @@ class Engine:
         broadcast_params(self._param_groups, {g: min(r) for r, g in groups.items() if g is not None})
         self.optimizer = make_optimizer(optimizer, self.module)
         self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
+        self.slowdown = emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
+        self._norm_owner = norm_owned_params(plan, self.module, self.stage, self.lane, shared_stages,
+                                             split_params)
 
     # --- stepping ----------------------------------------------------------------------------------------
     def _stage_run(self, batch, metrics: dict | None = None) -> StageRun:
@@ -90,7 +94,7 @@ class Engine:
             targets=[_to(_slice(target, a, b), dev) for a, b in loss_rows] if is_last else [],
             scales=[(b - a) / total for a, b in loss_rows], loss_fn=self.loss_fn, device=dev,
             before_last_backward=self._arm, count_loss=not self.split_loss or self.lane % n == 0,
-            metric_fns=metrics or {},
+            metric_fns=metrics or {}, slowdown=self.slowdown,
         )
 
     def _fuse_loss(self) -> bool:
@@ -128,15 +132,33 @@ class Engine:
         self.module.train()
         before = self.grad_sync.bytes_reduced
         run = execute(self._stage_run(batch), self.actions, self.plan.num_micro_batch, train=True)
+        schedule_time = time.perf_counter() - start
         self.grad_sync.finish()
+        norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         (loss,) = self._global_sum([run.loss_sum], fused=self._fuse_loss())
         elapsed = time.perf_counter() - start
         self.steps_done += 1
-        self._history.append((run.busy, elapsed))
-        return {"loss": loss, "step_time": elapsed, "busy_time": run.busy, "samples": _batch_size(batch[0]),
-                "stage": self.stage, "lane": self.lane, "sync_bytes": self.grad_sync.bytes_reduced - before}
+        self._history.append((run.busy, schedule_time))
+        out = {"loss": loss, "step_time": elapsed, "schedule_time": schedule_time, "busy_time": run.busy,
+               "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
+               "sync_bytes": self.grad_sync.bytes_reduced - before}
+        if norm is not None:
+            out["grad_norm"] = norm
+        return out
+
+    def _clip(self) -> float:
+        """Clip the global gradient norm to ``config.max_grad_norm``; returns the norm before clipping."""
+        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in self._norm_owner if p.grad is not None)
+        (total,) = self._global_sum([sq])
+        norm = total ** 0.5
+        coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
     @torch.no_grad()
     def eval_step(self, batch, metrics: dict[str, Callable] | None = None) -> dict:
@@ -159,8 +181,10 @@ class Engine:
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
     def stage_stats(self) -> list[dict]:
-        """Per stage, mean busy (compute) and step seconds over recent steps, gathered from all ranks
-        (collective: every rank must call it). Idle share = 1 - busy/step."""
+        """Per stage, mean busy (compute) and schedule seconds over the last 20 steps, gathered from all ranks
+        (collective: every rank must call it). ``step`` is the time of the forward/backward schedule alone
+        (gradient sync and the optimizer step excluded), so ``idle_share = 1 - busy/step`` is the pipeline
+        bubble plus stage-to-stage transfer time, comparable with (p-1)/(m+p-1)."""
         mine = [sum(b for b, _ in self._history), sum(t for _, t in self._history), len(self._history)]
         allv = [None] * self.world_size
         if self.world_size > 1:

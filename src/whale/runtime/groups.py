@@ -58,3 +58,24 @@ def sync_sets(plan: Plan, module: nn.Module, stage: int, lane: int, groups: dict
         shard = lane % plan.stage_width
         out.append((groups[tuple(plan.shard_replica_ranks(stage, shard))], shards))
     return out
+
+
+def norm_owned_params(plan: Plan, module: nn.Module, stage: int, lane: int, shared_stages: list[list[int]],
+                      split_params: set[int]) -> list[nn.Parameter]:
+    """Parameters whose squared gradients this rank adds to the global norm, so that every distinct
+    parameter (or shard) counts exactly once over the world: replicated ones on lane 0, split shards in
+    replica 0, parameters shared across stages on the first stage holding them."""
+    n = plan.stage_width
+    local = dict(module.named_parameters(remove_duplicate=False))
+    not_mine: set[int] = set()
+    for names, stages in zip(plan.shared_params, shared_stages, strict=True):
+        if stage in stages and stage != min(stages):
+            not_mine |= {id(local[nm]) for nm in names if nm in local}
+    out = []
+    for p in module.parameters():
+        if id(p) in not_mine:
+            continue
+        owner = lane < n if id(p) in split_params else lane == 0
+        if owner:
+            out.append(p)
+    return out

@@ -8,11 +8,14 @@ import torch
 from torch import nn
 
 from whale.annotation import Scope, default_strategy, tensor_scopes, top_level
+from whale.cluster import ClusterSpec
 from whale.config import Config
 from whale.parallel.stages import build_stages
+from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
-from whale.runtime.context import Context, current_context
+from whale.runtime import hwplan
+from whale.runtime.context import Context, current_context, resolve_cluster
 from whale.runtime.engine import Engine
 
 
@@ -94,6 +97,7 @@ def parallelize(
     loss_fn: Callable,
     optimizer: torch.optim.Optimizer | Callable,
     ctx: Context | None = None,
+    sample_batch=None,
 ) -> Engine:
     """Plan and set up hybrid-parallel training of ``model`` on this rank.
 
@@ -106,6 +110,9 @@ def parallelize(
         optimizer: a callable ``params -> Optimizer`` (preferred) or an optimizer over ``model.parameters()``
             (rebuilt over this rank's parameters, keeping its param groups' options).
         ctx: from :func:`whale.init`; defaults to the latest one.
+        sample_batch: a global batch ``(inputs, target)`` like those given to ``step``: lets the planner
+            profile the model (fake tensors, no compute) for memory-constrained shares and, on a mixed
+            cluster, speed-balanced pipeline cuts.
 
     Returns:
         An :class:`Engine` with ``step``, ``eval_step``, ``state_dict``, checkpointing and ``plan``.
@@ -117,13 +124,18 @@ def parallelize(
         SplitError: a module under ``split`` has no sharding rule.
     """
     ctx = ctx or current_context()
-    plan, stage_modules, shared_stages = analyze(model, ctx.world_size, ctx.config)
+    plan, stage_modules, shared_stages = analyze(model, ctx.world_size, ctx.config, ctx.cluster, sample_batch)
     stage, _ = plan.coords(ctx.rank)
     return Engine(plan, stage_modules[stage], loss_fn, optimizer, ctx, shared_stages=shared_stages)
 
 
-def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, list[nn.Module], list[list[int]]]:
+def analyze(model: nn.Module, world_size: int, config: Config, cluster: ClusterSpec | None = None,
+            sample_batch=None) -> tuple[Plan, list[nn.Module], list[list[int]]]:
     """Annotations -> TaskGraphs -> stage modules -> plan, without touching any process group.
+
+    With a ``cluster`` and ``config.hardware_aware``, the plan is balanced for the devices (DESIGN.md §5);
+    with a ``sample_batch`` too, the model is profiled on fake tensors so that shares respect memory and, on a
+    mixed cluster, the pipeline is re-cut by device speed (the annotations then fix only the stage count).
 
     Returns ``(plan, stage_modules, shared_stages)``; ``shared_stages[i]`` lists the stages holding the i-th
     entry of ``plan.shared_params``.
@@ -132,7 +144,28 @@ def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, li
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
     tg_scopes, stage_of, scopes = _task_graph_scopes(model)
     kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
-    if len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch):
+    pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
+    aware = cluster is not None and config.hardware_aware
+    prof = hwplan.profile(model, sample_batch) if aware and sample_batch is not None else None
+    stage_layers: list[list[str]] = []
+    if pipelined and prof is not None and is_heterogeneous(cluster):
+        layout = make_plan(kinds, world_size, config)
+        cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
+        stage_of, stage_layers = cut.stage_of, cut.stage_layers
+    plan, stage_modules, shared_stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes,
+                                                       pipelined)
+    plan.stage_layers = stage_layers
+    if aware:
+        memory = None
+        if prof is not None:
+            memory = hwplan.memory_model(prof, stage_modules, hwplan.sample_rows(sample_batch))
+            plan.stage_flops = hwplan.stage_flops(prof, stage_modules)
+        plan = apply_hardware(plan, cluster, memory)
+    return plan, stage_modules, shared_stages
+
+
+def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined):
+    if pipelined:
         split_names = {n for n, sc in scopes.items() if sc.kind == "split"}
         leaves = set(compress_names(split_names, list(_tensor_names(model))))
         graphs = build_stages(model, stage_of, len(tg_scopes), leaves)
@@ -145,10 +178,15 @@ def analyze(model: nn.Module, world_size: int, config: Config) -> tuple[Plan, li
     return plan, stage_modules, shared_stages
 
 
-def plan_model(model: nn.Module, world_size: int, config: Config | None = None) -> Plan:
+def plan_model(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None) -> Plan:
     """The plan Whale would run ``model`` with on ``world_size`` ranks; no processes needed.
 
+    ``config.cluster`` (a spec or YAML path) makes it hardware-aware; ``sample_batch`` adds the memory model
+    and, on mixed clusters, the speed-balanced pipeline cut.
+
     Raises:
-        ValueError, PlanError, StageError: as :func:`parallelize`.
+        ValueError, PlanError, StageError, ClusterError: as :func:`parallelize`.
     """
-    return analyze(model, world_size, config or Config())[0]
+    config = config or Config()
+    cluster = resolve_cluster(config.cluster, world_size) if config.cluster is not None else None
+    return analyze(model, world_size, config, cluster, sample_batch)[0]

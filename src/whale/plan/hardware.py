@@ -1,0 +1,151 @@
+"""Hardware-aware planning (DESIGN.md §5; the paper's §3.3): a pure function that takes a plan made for
+identical devices and a cluster spec, and gives each device work in proportion to what it can do, within its
+memory.
+
+- Device order (inter-TaskGraph): in each replica, devices with more memory take earlier pipeline slots
+  (stage s of S holds up to S - s micro-batches of activations under 1F1B).
+- Lane shares (intra-TaskGraph, replicate): a lane runs at the speed of its slowest stage device; shares
+  start proportional to that speed and move off lanes whose memory would overflow (the paper's Algorithm 1,
+  :func:`whale.plan.balance.balance_batch`).
+- Shard sizes (intra-TaskGraph, split): proportional to the speed of the devices at each shard position.
+- Predicted utilization per rank: its compute time relative to the slowest rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from whale.cluster import ClusterSpec, memory_capacity
+from whale.plan.balance import InfeasiblePlanError, balance_batch
+from whale.plan.partition import order_devices_by_memory
+from whale.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Memory a stage needs, for memory-constrained shares.
+
+    Attributes:
+        global_batch: samples per step the shares are computed for (bytes scale with it).
+        fixed_bytes: per stage, bytes a device needs whatever its share (params + grads + optimizer state).
+        per_sample_bytes: per stage, activation bytes one sample keeps alive while in flight.
+    """
+
+    global_batch: int
+    fixed_bytes: list[float]
+    per_sample_bytes: list[float]
+
+
+def is_heterogeneous(cluster: ClusterSpec) -> bool:
+    """True when the spec mixes device types (different peak FLOPS or memory)."""
+    kinds = {(d.fp32_flops, d.memory_bytes) for d in cluster.devices()}
+    return len(kinds) > 1
+
+
+def device_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
+    """Slot -> rank: within each replica's D consecutive ranks, largest memory first (stable)."""
+    if not plan.is_pipeline:
+        return []
+    d = plan.num_stages * plan.stage_width
+    mem = [memory_capacity(cluster, r) for r in range(plan.world_size)]
+    order: list[int] = []
+    for k in range(plan.num_replicas):
+        ranks = list(range(k * d, (k + 1) * d))
+        order += [ranks[i] for i in order_devices_by_memory([mem[r] for r in ranks])]
+    return order if order != list(range(plan.world_size)) else []
+
+
+def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[float]:
+    """Most samples each lane can hold: min over its stages of (capacity - fixed) / per-sample bytes, where a
+    stage keeps ``in_flight / m`` of its lane's samples alive at once (1F1B: min(m, S - s); GPipe: all).
+
+    Raises:
+        InfeasiblePlanError: some device cannot hold even one sample; names the rank, its stage and the bytes.
+    """
+    m, s_count = plan.num_micro_batch, plan.num_stages
+    limits = []
+    for lane in range(plan.num_lanes):
+        lim = float("inf")
+        for s in range(s_count):
+            in_flight = m if plan.schedule == "GPipe" else min(m, s_count - s)
+            per = memory.per_sample_bytes[s] * in_flight / m
+            rank = plan.rank_of(s, lane)
+            cap = memory_capacity(cluster, rank)
+            need_one = memory.fixed_bytes[s] + per
+            if need_one > cap:
+                raise InfeasiblePlanError(
+                    f"rank {rank} ({cluster.devices()[rank].name}, stage {s}) needs {need_one:.6g} bytes for "
+                    f"its parameters, gradients, optimizer state and one sample but has {cap:.6g}; it lacks "
+                    f"{need_one - cap:.6g} bytes. Use devices with more memory, more pipeline stages or split, "
+                    "or (emulation) a larger memory_scale", rank, need_one, cap)
+            if per > 0:
+                lim = min(lim, (cap - memory.fixed_bytes[s]) / per)
+        limits.append(lim)
+    return limits
+
+
+def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
+    """Relative load per lane: proportional to the lane's bottleneck speed, memory-constrained when a
+    :class:`MemoryModel` is given (then whole samples of ``memory.global_batch``; the paper's Algorithm 1).
+
+    Raises:
+        InfeasiblePlanError: no split of the batch fits the devices' memory (names the device and the bytes).
+    """
+    lane_speed = [min(speeds[plan.rank_of(s, lane)] for s in range(plan.num_stages))
+                  for lane in range(plan.num_lanes)]
+    if memory is None:
+        return lane_speed
+    limits = _lane_limits(plan, cluster, memory)
+    caps = [float(memory.global_batch) if lim == float("inf") else lim for lim in limits]
+    shares = balance_batch(memory.global_batch, lane_speed, caps, [0.0] * len(caps), 1.0)
+    return [float(x) for x in shares]
+
+
+def shard_weights(plan: Plan, speeds: list[float], stage: int) -> list[float]:
+    """Relative shard size per position j of a split group: the slowest device at j over all replicas."""
+    n = plan.stage_width
+    return [min(speeds[plan.rank_of(stage, k * n + j)] for k in range(plan.num_replicas)) for j in range(n)]
+
+
+def predicted_utilization(plan: Plan, speeds: list[float]) -> list[float]:
+    """Per rank: compute time (lane share x stage FLOPs / device speed) over the largest such time, in
+    [0, 1]; stages count as equal work unless ``plan.stage_flops`` says otherwise."""
+    total = sum(plan.lane_weights)
+    work = plan.stage_flops or [1.0] * plan.num_stages
+    times = [0.0] * plan.world_size
+    for lane, w in enumerate(plan.lane_weights):
+        for s in range(plan.num_stages):
+            r = plan.rank_of(s, lane)
+            times[r] = (w / total) * work[s] / speeds[r]
+    top = max(times)
+    return [t / top for t in times]
+
+
+def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None = None,
+                   dtype: str = "fp32") -> Plan:
+    """A copy of ``plan`` balanced for ``cluster`` (pure function; see the module docstring).
+
+    Raises:
+        ClusterError: the spec's device count differs from the plan's world size.
+        InfeasiblePlanError: the memory model cannot fit the batch.
+    """
+    cluster.check_world_size(plan.world_size)
+    speeds = [d.flops(dtype) for d in cluster.devices()]
+    out = dataclasses.replace(plan, devices=[d.name for d in cluster.devices()], notes=list(plan.notes))
+    out.device_order = device_order(plan, cluster)
+    out.lane_weights = lane_shares(out, speeds, cluster, memory)
+    out.task_graphs = [dataclasses.replace(tg, nested=[dict(n) for n in tg.nested]) for tg in plan.task_graphs]
+    for tg in out.task_graphs:
+        stage = 0 if plan.colocated else tg.index
+        if tg.kind == "split":
+            tg.shard_weights = shard_weights(out, speeds, stage)
+        for nest in tg.nested:
+            if nest["kind"] == "split":
+                nest["shard_weights"] = shard_weights(out, speeds, stage)
+    out.predicted_utilization = predicted_utilization(out, speeds)
+    if cluster.emulate:
+        out.notes.append("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
+                         f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware")
+    out.validate()
+    return out
