@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 NPROC ?= 4
+CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
 .PHONY: setup train test lint bench clean
@@ -23,7 +24,7 @@ data/shakespeare/.ready: $(STAMP) examples/gpt/data.py
 	$(PY) -m examples.gpt.data --fetch
 
 train: $(STAMP) data/shakespeare/.ready
-	$(VENV)/bin/whale launch -n $(NPROC) examples/gpt/train.py $(TRAIN_ARGS)
+	$(VENV)/bin/whale launch -n $(NPROC) --cluster $(CLUSTER) examples/gpt/train.py $(TRAIN_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)

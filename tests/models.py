@@ -64,8 +64,8 @@ def lm_batches(steps: int, batch: int, seq: int = 8, vocab: int = 32, seed: int 
     return out
 
 
-class RecordingAdamW(torch.optim.AdamW):
-    """AdamW that keeps a copy of every gradient it steps on (``self.grads[step][param_index]``), so tests can
+class _Recording:
+    """Keeps a copy of every gradient the optimizer steps on (``self.grads[step][id(param)]``), so tests can
     compare gradients too: Adam normalizes away a constant gradient scale, which parameters alone would hide."""
 
     def __init__(self, params, **kw):
@@ -76,3 +76,11 @@ class RecordingAdamW(torch.optim.AdamW):
         self.grads.append({id(p): p.grad.detach().clone() for g in self.param_groups for p in g["params"]
                            if p.grad is not None})
         return super().step(closure)
+
+
+class RecordingAdamW(_Recording, torch.optim.AdamW):
+    """AdamW that records the gradients it steps on."""
+
+
+class RecordingSGD(_Recording, torch.optim.SGD):
+    """SGD that records the gradients it steps on."""

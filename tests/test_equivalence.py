@@ -16,24 +16,30 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import RecordingAdamW, TinyLM, lm_batches, lm_loss
+from tests.models import RecordingAdamW, RecordingSGD, TinyLM, lm_batches, lm_loss
 
 RTOL, ATOL = 1e-5, 1e-6
 
 
 def _train_compare(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), schedule=spec.get("schedule", "1F1B"),
-                            load_shares=spec.get("shares"), seed=0))
+                            load_shares=spec.get("shares"), seed=0, cluster=spec.get("cluster"),
+                            max_grad_norm=spec.get("clip")))
     model = TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
     ref = copy.deepcopy(model)
-    engine = wh.parallelize(model, lm_loss, lambda ps: RecordingAdamW(ps, lr=1e-3), ctx=ctx)
-    ref_opt = RecordingAdamW(ref.parameters(), lr=1e-3)
+    sample = lm_batches(1, spec["batch"])[0] if spec.get("cluster") else None
+    make_opt = (lambda ps: RecordingSGD(ps, lr=0.1, momentum=0.9)) if spec.get("sgd") else \
+        (lambda ps: RecordingAdamW(ps, lr=1e-3))
+    engine = wh.parallelize(model, lm_loss, make_opt, ctx=ctx, sample_batch=sample)
+    ref_opt = make_opt(ref.parameters())
     losses, ref_losses = [], []
     for x, y in lm_batches(spec.get("steps", 3), spec["batch"]):
         losses.append(engine.step((x, y))["loss"])
         ref_opt.zero_grad()
         loss = lm_loss(ref(x), y)
         loss.backward()
+        if spec.get("clip"):
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), spec["clip"])
         ref_opt.step()
         ref_losses.append(loss.item())
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -101,3 +107,30 @@ def test_tied_weights_across_stages_stay_identical():
 def test_untied_pipeline():
     results = _check(2, {"layers": (1, 1), "batch": 4, "mb": 2, "tied": False})
     assert wh.Plan.from_json(results[0]["plan"]).shared_params == []
+
+
+MIXED = {"nodes": [{"devices": ["P100-16GB", "V100-32GB"]}, {"devices": ["T4", "V100-32GB"]}]}
+
+
+def test_hardware_aware_uneven_cuts_and_shares_match_one_process():
+    from whale.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_dict(MIXED)
+    results = _check(4, {"layers": (2, 2), "batch": 16, "mb": 2, "cluster": spec})
+    plan = wh.Plan.from_json(results[0]["plan"])
+    assert plan.device_order and plan.stage_layers  # reordered devices and a planner-made cut
+    assert len(set(plan.lane_weights)) > 1  # lanes (V100+P100 vs V100+T4) get different shares
+
+
+def test_hardware_aware_data_parallel_shares_match_one_process():
+    from whale.cluster import ClusterSpec
+
+    results = _check(4, {"layers": (2,), "batch": 16, "cluster": ClusterSpec.from_dict(MIXED)})
+    plan = wh.Plan.from_json(results[0]["plan"])
+    assert sorted(b - a for lane in plan.micro_batch_rows(16) for a, b in lane) != [4, 4, 4, 4]
+
+
+def test_gradient_clipping_matches_clip_grad_norm():
+    # SGD with momentum: its update is linear in the gradient, so a wrong clip coefficient shows in the
+    # parameters (Adam would normalize it away)
+    _check(4, {"layers": (1, 2), "batch": 8, "mb": 2, "clip": 0.05, "shares": (3, 1), "sgd": True})

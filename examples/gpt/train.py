@@ -112,8 +112,9 @@ def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
     return {k: Path(args.data_dir) / v for k, v in names.items()}
 
 
-def build(args: argparse.Namespace, ctx) -> tuple[GPTConfig, wh.Engine]:
-    """The model (annotated when ``--stages > 1``) and its engine on this rank."""
+def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, wh.Engine]:
+    """The model (annotated when ``--stages > 1``) and its engine on this rank. ``sample_batch`` lets the
+    planner profile the model (fake tensors) for memory-aware shares and speed-balanced stage cuts."""
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
     stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
@@ -123,6 +124,7 @@ def build(args: argparse.Namespace, ctx) -> tuple[GPTConfig, wh.Engine]:
         model, loss_fn=loss_fn,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                                                    betas=(0.9, 0.95)),
+        sample_batch=sample_batch,
     )
     if ctx.rank == 0:
         print(f"GPT: {n_params:,} parameters, {cfg}", flush=True)
@@ -201,8 +203,10 @@ def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
         for r in rows:
             print(f" {r['stage']:>5}  {r['busy_s']:>11.3f}  {r['step_s']:>6.3f}  {r['busy_share']:>10.1%}"
                   f"  {r['idle_share']:>10.1%}  {r['theory_idle']:>11.1%}")
-        print(" (busy = this stage's forward/backward compute; idle = waiting on other stages and on "
-              "gradient sync; 4 processes share the CPU cores, so compute times include contention)")
+        print(" (step = the forward/backward schedule alone, without gradient sync and optimizer; busy = this "
+              "stage's compute; idle = bubble + stage-to-stage transfers. Ranks that outnumber the CPU cores "
+              "contend for them, which inflates busy time; benchmarks/pipeline_bubble.py measures the bubble "
+              "with one rank per core)")
     return rows
 
 
@@ -224,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
                             cluster=args.cluster))
     paths = prepare_data(args, ctx.rank)
-    cfg, engine = build(args, ctx)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
+    cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
     if "val0" not in state:

@@ -1,0 +1,1 @@
+"""Large-scale classification with Whale: a replicated ResNet-style backbone and a split (class-sharded) head."""

@@ -1,0 +1,98 @@
+"""Hardware-aware planning wired into the plan (no processes), and emulation arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import whale as wh
+from tests.models import TinyLM
+from whale.cluster import ClusterSpec
+from whale.plan.balance import InfeasiblePlanError
+from whale.plan.hardware import MemoryModel, apply_hardware
+from whale.runtime.emulation import emulation_slowdown
+
+
+def _spec(*names, emulate=False, memory_scale=1.0, per_node=None):
+    per_node = per_node or len(names)
+    nodes = [{"devices": list(names[i:i + per_node])} for i in range(0, len(names), per_node)]
+    return ClusterSpec.from_dict({"emulate": emulate, "memory_scale": memory_scale, "nodes": nodes})
+
+
+def _batch(rows=32, seq=8):
+    x = torch.randint(0, 32, (rows, seq))
+    return x, x
+
+
+def test_data_parallel_shares_follow_device_speed():
+    spec = _spec("V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB", emulate=True)
+    plan = wh.plan_model(TinyLM(), 4, wh.Config(cluster=spec))
+    w = plan.lane_weights
+    assert w[0] / w[1] == pytest.approx(15.7 / 10.6)
+    assert plan.devices == ["V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB"]
+    assert plan.predicted_utilization == pytest.approx([1.0] * 4)
+    text = str(plan)
+    assert "EMULATED" in text and "V100-32GB" in text and "pred. util" in text
+    assert wh.Plan.from_json(plan.to_json()) == plan
+
+
+def test_hardware_aware_off_keeps_equal_shares():
+    spec = _spec("V100-32GB", "P100-16GB")
+    plan = wh.plan_model(TinyLM(), 2, wh.Config(cluster=spec, hardware_aware=False))
+    assert plan.lane_weights == [1.0, 1.0] and plan.devices == []
+
+
+def test_pipeline_orders_devices_by_memory_and_cuts_by_speed():
+    spec = _spec("P100-16GB", "V100-32GB")  # rank 0 has less memory: it should not run stage 0
+    model = TinyLM(stage_layers=(3, 3))
+    uniform = wh.plan_model(model, 2, wh.Config(num_micro_batch=4, cluster=spec, hardware_aware=False))
+    aware = wh.plan_model(model, 2, wh.Config(num_micro_batch=4, cluster=spec), sample_batch=_batch())
+    assert uniform.coords(0) == (0, 0)
+    assert aware.device_order == [1, 0] and aware.coords(1) == (0, 0)
+    first = aware.stage_layers[0]
+    assert sum(name.startswith("blocks.") for name in first) > 3  # the faster V100 takes more blocks
+    assert aware.stage_flops[0] > aware.stage_flops[1]
+
+
+def test_memory_model_moves_load_off_a_small_device():
+    spec = _spec("V100-32GB", "P100-16GB")
+    base = wh.plan_model(TinyLM(), 2, wh.Config())
+    fast_only = MemoryModel(global_batch=100, fixed_bytes=[1e9], per_sample_bytes=[1e8])
+    # FLOPS-proportional would give the P100 ~40 samples = 5 GB; it has 16 GB -> fits
+    plan = apply_hardware(base, spec, fast_only)
+    assert plan.lane_weights == [60.0, 40.0]
+    tight = MemoryModel(global_batch=100, fixed_bytes=[1e9], per_sample_bytes=[4e8])
+    plan = apply_hardware(base, spec, tight)  # P100 holds (16e9-1e9)/4e8 = 37 samples at most
+    assert plan.lane_weights == [63.0, 37.0]
+
+
+def test_infeasible_memory_names_rank_and_bytes():
+    spec = _spec("V100-32GB", "P100-16GB")
+    base = wh.plan_model(TinyLM(), 2, wh.Config())
+    with pytest.raises(InfeasiblePlanError, match=r"rank 1 \(P100-16GB, stage 0\) needs .* it lacks"):
+        apply_hardware(base, spec, MemoryModel(8, fixed_bytes=[17e9], per_sample_bytes=[1.0]))
+
+
+def test_split_shard_weights_follow_speed():
+    from tests.test_split_runtime import Classifier
+
+    spec = _spec("V100-32GB", "T4")
+    plan = wh.plan_model(Classifier(), 2, wh.Config(cluster=spec))
+    head = next(tg for tg in plan.task_graphs if tg.kind == "split")
+    assert head.shard_weights == pytest.approx([15.7e12, 8.1e12])
+    assert "shard shares" in str(plan)
+
+
+def test_cluster_must_match_world_size():
+    with pytest.raises(wh.cluster.ClusterError, match="world size"):
+        wh.plan_model(TinyLM(), 3, wh.Config(cluster=_spec("V100-32GB", "P100-16GB")))
+
+
+def test_emulation_slowdown_keeps_device_ratios_and_cores_free():
+    spec = _spec("V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB", emulate=True)
+    fast = emulation_slowdown(spec, 0, 4, cores=2)
+    slow = emulation_slowdown(spec, 1, 4, cores=2)
+    assert fast == pytest.approx(1.0)  # base = 4 ranks / 2 cores: each rank computes at most half the time
+    assert (1 + slow) / (1 + fast) == pytest.approx(15.7 / 10.6)
+    assert emulation_slowdown(spec, 0, 2, cores=2) == 0.0
+    assert emulation_slowdown(_spec("V100-32GB", "P100-16GB"), 1, 2) == 0.0  # not emulating
