@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit ``make train`` (4 CPU processes, 2 cores) in a few minutes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--steps", type=int, default=1000, help="optimizer steps in total (a resumed run continues to it)")
+    a("--steps", type=int, default=600, help="optimizer steps in total (a resumed run continues to it)")
     a("--stop-after", type=int, default=None,
       help="stop (with a checkpoint) after this step, as if interrupted; --resume continues to --steps")
     a("--batch-size", type=int, default=32, help="global batch (sequences per step, all ranks together)")

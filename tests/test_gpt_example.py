@@ -1,0 +1,47 @@
+"""End to end: the GPT example through `whale launch` (real torchrun) on the emulated V100/P100 cluster,
+then `--resume` from its checkpoint. Uses a committed public-domain slice of The Tempest (Project Gutenberg)
+so no download is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WHALE = Path(sys.executable).with_name("whale")
+
+
+def _run(tmp: Path, *extra: str) -> str:
+    cmd = [str(WHALE), "launch", "-n", "4", "--cluster", str(ROOT / "examples/clusters/v100_p100.yaml"),
+           str(ROOT / "examples/gpt/train.py"), "--data-dir", str(tmp / "data"), "--vocab-size", "300",
+           "--n-layer", "4", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "8",
+           "--eval-every", "3", "--eval-batches", "2", "--ckpt-dir", str(tmp / "ckpt"), "--sample-tokens", "8",
+           "--summary", str(tmp / "summary.json"), "--no-progress", *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
+    texts = tmp_path / "data" / "texts"
+    texts.mkdir(parents=True)
+    shutil.copy(ROOT / "tests/data/tempest_gut.txt", texts)
+    (texts / ".complete").touch()
+    out = _run(tmp_path, "--steps", "6")
+    assert "Whale plan: world 4 = 2 replica(s)" in out and "EMULATED" in out and "V100-32GB" in out
+    assert "bubble report" in out and "held-out loss" in out
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert first["steps"] == 6 and first["final_val_loss"] < first["initial_val_loss"]
+    out = _run(tmp_path, "--steps", "8", "--resume")
+    assert "resum" in out.lower()
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["steps"] == 8
+    assert (tmp_path / "ckpt" / "model.pt").exists() and (tmp_path / "ckpt" / "plan.json").exists()
