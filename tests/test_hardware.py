@@ -96,3 +96,15 @@ def test_emulation_slowdown_keeps_device_ratios_and_cores_free():
     assert (1 + slow) / (1 + fast) == pytest.approx(15.7 / 10.6)
     assert emulation_slowdown(spec, 0, 2, cores=2) == 0.0
     assert emulation_slowdown(_spec("V100-32GB", "P100-16GB"), 1, 2) == 0.0  # not emulating
+
+
+def test_whale_plan_command_prints_the_hardware_aware_plan(capsys):
+    from whale.cli import main
+
+    rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "4", "--micro-batches", "4",
+               "--cluster", "examples/clusters/v100_p100.yaml", "--args", "n_layer=6", "n_embd=32", "seq_len=16"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "hardware-aware" in out and "EMULATED" in out and "stage 0: F0 F1 B0" in out
+    rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "2", "--json", "--args", "stages=1"])
+    plan = wh.Plan.from_json(capsys.readouterr().out)
+    assert rc == 0 and plan.num_lanes == 2

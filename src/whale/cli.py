@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from whale.plan_cli import add_plan
 from whale.runtime.launch import LaunchError, launch
 
 _LAUNCH_EPILOG = """\
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     _add_launch(sub)
+    add_plan(sub)
     return parser
 
 

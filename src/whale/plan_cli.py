@@ -1,0 +1,68 @@
+"""``whale plan``: print (or write as JSON) the plan Whale would run a model with, without any process.
+
+The model comes from a factory ``package.module:function`` that returns a model, or ``(model, sample_batch)``
+so that the planner can profile it (memory-aware shares, speed-balanced pipeline cuts on a mixed cluster).
+``key=value`` arguments after ``--args`` are passed to the factory (ints and floats are converted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_factory(spec: str):
+    """Import ``package.module:function``; a clear ``SystemExit`` message when it is not there."""
+    module, _, name = spec.partition(":")
+    if not name:
+        raise SystemExit(f"whale plan: --model must look like package.module:function, got {spec!r}")
+    sys.path.insert(0, "")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"whale plan: cannot load {spec!r}: {exc}") from None
+
+
+def add_plan(sub: argparse._SubParsersAction) -> None:
+    """Register ``whale plan``."""
+    p = sub.add_parser("plan", help="print the plan for a model on a world size / cluster (no processes)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                   help="factory returning a model or (model, sample_batch), e.g. examples.gpt.model:for_plan")
+    p.add_argument("--world", type=int, required=True, help="number of ranks")
+    p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    p.add_argument("--no-hardware-aware", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--args", nargs="*", default=[], metavar="KEY=VALUE", help="keyword arguments for the factory")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    """Build the model, plan it, print it."""
+    import whale as wh
+
+    kwargs = dict(kv.split("=", 1) for kv in ns.args)
+    made = load_factory(ns.model)(**{k: _value(v) for k, v in kwargs.items()})
+    model, sample = made if isinstance(made, tuple) else (made, None)
+    config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
+                       hardware_aware=not ns.no_hardware_aware)
+    plan = wh.plan_model(model, ns.world, config, sample_batch=sample)
+    print(plan.to_json(indent=2) if ns.json else plan)
+    if not ns.json and plan.is_pipeline:
+        from whale.parallel.schedule import format_schedule, make_schedule
+
+        print("schedule (per stage):")
+        print(format_schedule(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)))
+    return 0
