@@ -210,3 +210,16 @@ def test_global_registration_is_idempotent_and_counts_cpu_sdpa():
     finally:
         flop_counter.flop_registry.clear()
         flop_counter.flop_registry.update(before)
+
+
+def test_example_gpt_matches_6n_plus_attention():
+    """The main job's model (examples/gpt) against 6 x (non-embedding params + head) x tokens + attention."""
+    from examples.gpt.model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=3, n_head=4, n_embd=64)
+    model = GPT(cfg, stages=1)
+    T, D, L, V = cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    p = profile_model(model, lambda b: torch.zeros(b, T, dtype=torch.long), batch_size=2)
+    non_embedding = sum(q.numel() for n, q in model.named_parameters() if n.startswith("blocks."))
+    kaplan = 6 * (non_embedding + V * D) + 12 * L * T * D
+    assert p.train_flops / T == pytest.approx(kaplan, rel=0.03)
