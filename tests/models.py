@@ -84,3 +84,28 @@ class RecordingAdamW(_Recording, torch.optim.AdamW):
 
 class RecordingSGD(_Recording, torch.optim.SGD):
     """SGD that records the gradients it steps on."""
+
+
+class SkipLM(nn.Module):
+    """Three stages that pass several values across boundaries: a float activation, a bool mask, an int from
+    ``idx.size(1)``, and a skip connection from stage 0 into stage 2 (relayed through stage 1)."""
+
+    def __init__(self, vocab=32, d=16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        with wh.replicate(1):
+            self.a = Block(d)
+        with wh.replicate(1):
+            self.b = Block(d)
+        with wh.replicate(1):
+            self.c = Block(d)
+            self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        mask = (idx > 3).unsqueeze(-1)
+        x = self.a(h)
+        x = self.b(x) * mask
+        t = idx.size(1)
+        x = self.c(x + h) / t
+        return self.head(x)

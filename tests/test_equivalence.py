@@ -16,7 +16,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import RecordingAdamW, RecordingSGD, TinyLM, lm_batches, lm_loss
+from tests.models import RecordingAdamW, RecordingSGD, SkipLM, TinyLM, lm_batches, lm_loss
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -25,7 +25,7 @@ def _train_compare(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), schedule=spec.get("schedule", "1F1B"),
                             load_shares=spec.get("shares"), seed=0, cluster=spec.get("cluster"),
                             max_grad_norm=spec.get("clip")))
-    model = TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
+    model = SkipLM() if spec.get("skip") else TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
     ref = copy.deepcopy(model)
     sample = lm_batches(1, spec["batch"])[0] if spec.get("cluster") else None
     make_opt = (lambda ps: RecordingSGD(ps, lr=0.1, momentum=0.9)) if spec.get("sgd") else \
@@ -58,8 +58,8 @@ def _train_compare(rank, world, spec):
 def _check(world, spec):
     results = run_ranks(_train_compare, world, spec)
     covered = {n for r in results for n in r["names"]}
-    expected = {n for n, _ in TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
-                .named_parameters(remove_duplicate=False)}
+    model = SkipLM() if spec.get("skip") else TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     assert covered == expected, f"parameters never compared: {expected - covered}"
     assert len({tuple(r["losses"]) for r in results}) == 1, "ranks disagree on the global loss"
     return results
@@ -134,3 +134,9 @@ def test_gradient_clipping_matches_clip_grad_norm():
     # SGD with momentum: its update is linear in the gradient, so a wrong clip coefficient shows in the
     # parameters (Adam would normalize it away)
     _check(4, {"layers": (1, 2), "batch": 8, "mb": 2, "clip": 0.05, "shares": (3, 1), "sgd": True})
+
+
+def test_several_values_and_a_relayed_skip_cross_stage_boundaries():
+    # float activation, bool mask, a Python int and a stage-0 tensor used in stage 2 (relayed through 1)
+    results = _check(3, {"layers": None, "skip": True, "batch": 6, "mb": 3})
+    assert sorted(r["stage"] for r in results) == [0, 1, 2]
