@@ -124,6 +124,8 @@ class SplitRegion(nn.Module):
         self.rows = list(rows)
 
     def forward(self, x: torch.Tensor):
+        """This rank's rows ``[b_r, ...]`` -> the sharded module's output for this rank's rows (or
+        :class:`ShardedLogits` over all the group's rows when the module is a class-sharded head)."""
         if self.rows is None:
             raise RuntimeError("SplitRegion.set_rows was not called: the engine sets row counts per step")
         if x.is_floating_point():

@@ -124,10 +124,12 @@ class ColumnParallelLinear(_Sharded):
         self.bias = None if linear.bias is None else _local_param(linear.bias, 0, self.shard_start, self.shard_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[*, in]`` (replicated) -> ``[*, size_r]`` (or ``[*, out]`` with ``gather_output``)."""
         y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
         return gather_from_group(y, self.group, -1, self.sizes) if self.gather_output else y
 
     def extra_repr(self) -> str:
+        """Shard layout for ``print(module)``."""
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.shard_start}:"
                 f"{self.shard_start + self.shard_size} of sizes {self.sizes}), gather_output={self.gather_output}")
 
@@ -156,12 +158,14 @@ class RowParallelLinear(_Sharded):
         self.bias = None if linear.bias is None else _local_param(linear.bias, 0, 0, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward pass (shapes in the class docstring)."""
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.group, -1, self.sizes)
         y = reduce_from_group(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
+        """Shard layout for ``print(module)``."""
         return (f"in_features={self.in_features} (local {self.shard_start}:{self.shard_start + self.shard_size} "
                 f"of sizes {self.sizes}), out_features={self.out_features}, "
                 f"input_is_parallel={self.input_is_parallel}")
@@ -195,6 +199,7 @@ class VocabParallelEmbedding(_Sharded):
         self.weight = _local_param(embedding.weight, 0, self.shard_start, self.shard_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward pass (shapes in the class docstring)."""
         local = ids - self.shard_start
         mine = (local >= 0) & (local < self.shard_size)
         out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight,
@@ -203,6 +208,7 @@ class VocabParallelEmbedding(_Sharded):
         return reduce_from_group(out, self.group)
 
     def extra_repr(self) -> str:
+        """Shard layout for ``print(module)``."""
         return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.shard_start}:"
                 f"{self.shard_start + self.shard_size} of sizes {self.sizes})")
 

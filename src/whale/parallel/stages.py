@@ -54,6 +54,7 @@ class _Tracer(fx.Tracer):
         self.leaves = leaves
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        """Split targets and torch's own leaf modules are traced as single calls."""
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
 
