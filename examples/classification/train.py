@@ -20,6 +20,7 @@ accuracy (above 90% in well under a minute with the defaults).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--steps", type=int, default=150, help="optimizer steps")
     a("--batch-size", type=int, default=64, help="global batch (images per step, all ranks together)")
-    a("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    a("--lr", type=float, default=5e-3, help="peak Adam learning rate (10%% linear warmup, then cosine to 0)")
     a("--classes-pad", type=int, default=NUM_DIGITS,
       help="head width C >= 10: classes of the FC layer (labels stay 0..9); e.g. 1000 to shard a bigger head")
     a("--width", type=int, default=32, help="backbone channels")
@@ -109,10 +110,18 @@ def make_engine(args: argparse.Namespace, ctx: wh.Context) -> wh.Engine:
               f"{'pure data parallel' if args.no_split else 'replicate backbone + split head'} "
               f"on {ctx.world_size} rank(s)", flush=True)
     engine = wh.parallelize(model, loss_fn=wh.cross_entropy,
-                            optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=0.9), ctx=ctx)
+                            optimizer=lambda ps: torch.optim.Adam(ps, lr=args.lr), ctx=ctx)
     if ctx.is_main:
         print(engine.plan, flush=True)
     return engine
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup over 10% of the steps, cosine to 0."""
+    warmup = max(1, args.steps // 10)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    return args.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
 
 
 def evaluate(engine: wh.Engine, val: tuple[torch.Tensor, torch.Tensor]) -> dict:
@@ -132,6 +141,8 @@ def train(args: argparse.Namespace) -> dict:
     bar = tqdm(total=args.steps, disable=not ctx.is_main or args.no_progress, desc="train", unit="step")
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, args)
         m = engine.step(next(batches))
         out["train_loss"].append(m["loss"])
         bar.set_postfix(loss=f"{m['loss']:.3f}")

@@ -32,6 +32,8 @@ class StageRun:
         count_loss: whether this rank's loss counts in the reported sum (ranks of a split group all compute the
             same loss over the group's rows; one of them reports it).
         metric_fns: eval only, ``{name: fn(output, target)}`` averaged like the loss into ``metric_sums``.
+        timeline: filled by :func:`execute`: per action ``(label, start, compute_start, compute_end)`` in
+            seconds from the start of the step (``start`` includes waiting for inputs).
         slowdown: emulation only: after each compute segment of t seconds, wait ``t * slowdown`` more so the
             rank runs at its declared device's speed (DESIGN.md §6); 0 on real hardware.
         before_last_backward: called with this run right before the last micro-batch's backward (arms
@@ -50,12 +52,14 @@ class StageRun:
     device: torch.device
     before_last_backward: Callable[[StageRun], None] = lambda run: None
     slowdown: float = 0.0
+    timeline: list = field(default_factory=list)
     count_loss: bool = True
     metric_fns: dict = field(default_factory=dict)
     metric_sums: dict = field(default_factory=dict)
     busy: float = 0.0
     loss_sum: float = 0.0
     _live: dict = field(default_factory=dict)
+    _segment: tuple = (0.0, 0.0)
     _sends: list = field(default_factory=list)
 
     @property
@@ -124,6 +128,7 @@ def _account(run: StageRun, start: float) -> None:
         time.sleep(elapsed * run.slowdown)
         elapsed = time.perf_counter() - start
     run.busy += elapsed
+    run._segment = (start, start + elapsed)
 
 
 def _reap(run: StageRun) -> None:
@@ -140,11 +145,17 @@ def _reap(run: StageRun) -> None:
 def execute(run: StageRun, actions: list[Action], num_micro_batch: int, train: bool = True) -> StageRun:
     """Run ``actions`` for this rank; returns ``run`` with ``busy`` (seconds of compute) and ``loss_sum``
     (on the last stage: sum of scaled micro-batch losses) filled in. In eval mode only forwards run."""
+    t0 = time.perf_counter()
     for a in actions:
+        begin = time.perf_counter()
         if a.kind == "F":
             _forward(run, a.mb, grad=train)
         elif train:
             _backward(run, a.mb, last=a.mb == num_micro_batch - 1)
+        else:
+            continue
+        c0, c1 = run._segment
+        run.timeline.append((str(a), begin - t0, c0 - t0, c1 - t0))
         _reap(run)
     for work, _ in run._sends:
         work.wait()

@@ -57,6 +57,8 @@ class Engine:
         self.actions: list[Action] = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
         self.steps_done = 0
         self._history: deque = deque(maxlen=20)
+        self.last_timeline: list = []
+        """Per action of the latest step: ``(label, start, compute_start, compute_end)`` seconds."""
         shared_stages = shared_stages or []
         groups = build_groups(plan, shared_stages) if ctx.world_size > 1 else {}
         self.module, self.regions = install_split_regions(module, plan, self.stage, self.lane, groups)
@@ -141,6 +143,7 @@ class Engine:
         elapsed = time.perf_counter() - start
         self.steps_done += 1
         self._history.append((run.busy, schedule_time))
+        self.last_timeline = run.timeline
         out = {"loss": loss, "step_time": elapsed, "schedule_time": schedule_time, "busy_time": run.busy,
                "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
