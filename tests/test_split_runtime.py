@@ -169,3 +169,23 @@ def test_split_inside_a_pipeline_stage():
     plan = wh.Plan.from_json(results[0]["plan"])
     assert plan.num_stages == 2 and not plan.colocated
     assert [r["regions"] for r in results] == [0, 0, 1, 1]
+
+
+def _meta_head(rank, world):
+    ctx = wh.init(wh.Config(seed=rank))  # different seeds: shard equality must come from the engine
+    model = Classifier(classes=12, count=2)
+    with wh.split(2), torch.device("meta"):
+        model.head = nn.Linear(16, 12)  # a head too big to build whole: never materialized in full
+    engine = wh.parallelize(model, wh.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    region = engine.regions[0]
+    x, y = _batches({"model": "cls", "batch": 8, "classes": 12}, 1)[0]
+    loss = engine.step((x, y))["loss"]
+    return region.sharded.weight.detach(), region.sharded.shard_start, loss
+
+
+def test_split_head_built_on_meta_is_materialized_shard_by_shard():
+    results = run_ranks(_meta_head, 4)
+    (w0, s0, l0), (w1, s1, _), (w2, s2, _), (w3, _, _) = results
+    assert not w0.is_meta and w0.shape == (6, 16) and (s0, s1) == (0, 6)
+    assert torch.equal(w0, w2) and torch.equal(w1, w3)  # same shard in both replicas
+    assert torch.isfinite(torch.tensor(l0))

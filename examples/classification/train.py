@@ -10,7 +10,7 @@ Launch (from the repo root)::
     python examples/classification/train.py                                 # one process
 
 The digits (1,797 images, 10 classes) ship inside scikit-learn (``pip install scikit-learn``); nothing is
-downloaded. A fixed 80/20 shuffle gives 1,437 training and 360 held-out images. ``--classes-pad C`` widens the
+downloaded. A fixed 80/20 shuffle gives 1,438 training and 359 held-out images. ``--classes-pad C`` widens the
 head to C >= 10 outputs (the extra classes never occur as labels) so that the split runs on a bigger class dim.
 Every rank draws the same global batch; Whale takes each rank's rows (backbone) and gathers them for the split
 head, whose logits stay class-sharded into the loss. Rank 0 prints the plan, a progress bar and the held-out

@@ -55,6 +55,7 @@ class GradSync:
         self._extra: torch.Tensor | None = None
         self.extra: torch.Tensor | None = None
         self.bytes_reduced = 0
+        """Gradient bytes handed to all-reduce so far (the loss riding along is not counted)."""
         self._handles = []
         if overlap:
             for b in self.buckets:
@@ -100,7 +101,8 @@ class GradSync:
         if self._extra is not None and b is self.buckets[-1]:
             grads.append(self._extra.to(grads[0].dtype))
         b.buf = torch.cat(grads)
-        self.bytes_reduced += b.buf.numel() * b.buf.element_size()
+        extra = 0 if b is not self.buckets[-1] or self._extra is None else self._extra.numel()
+        self.bytes_reduced += (b.buf.numel() - extra) * b.buf.element_size()
         b.work = dist.all_reduce(b.buf, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
 
     def finish(self) -> None:

@@ -85,8 +85,19 @@ class SplitError(ValueError):
     """A module under ``split`` cannot be sharded (no rule for its type, or an unsupported option)."""
 
 
-def _local_param(full: torch.Tensor, dim: int, start: int, size: int) -> nn.Parameter:
-    return nn.Parameter(full.detach().narrow(dim, start, size).clone(), requires_grad=full.requires_grad)
+def _local_param(full: torch.Tensor, dim: int, start: int, size: int, bound: float | None = None) -> nn.Parameter:
+    """This rank's slice of ``full``. A ``full`` on the meta device (a layer too big to build whole) is
+    materialized shard by shard: uniform(-bound, bound) (PyTorch's default for Linear, with the FULL layer's
+    fan-in) or, with ``bound=None``, normal(0, 1) (Embedding's default). Shards of one position are made equal
+    across replicas by the engine's broadcast."""
+    if not full.is_meta:
+        return nn.Parameter(full.detach().narrow(dim, start, size).clone(), requires_grad=full.requires_grad)
+    shape = list(full.shape)
+    shape[dim] = size
+    t = torch.empty(shape, dtype=full.dtype)
+    with torch.no_grad():
+        t.uniform_(-bound, bound) if bound is not None else t.normal_()
+    return nn.Parameter(t, requires_grad=full.requires_grad)
 
 
 class _Sharded(nn.Module):
@@ -120,8 +131,9 @@ class ColumnParallelLinear(_Sharded):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._set_shards(group, self.out_features, sizes, weights)
         self.gather_output = gather_output
-        self.weight = _local_param(linear.weight, 0, self.shard_start, self.shard_size)
-        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, self.shard_start, self.shard_size)
+        b = self.in_features ** -0.5
+        self.weight = _local_param(linear.weight, 0, self.shard_start, self.shard_size, b)
+        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, self.shard_start, self.shard_size, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[*, in]`` (replicated) -> ``[*, size_r]`` (or ``[*, out]`` with ``gather_output``)."""
@@ -154,8 +166,9 @@ class RowParallelLinear(_Sharded):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._set_shards(group, self.in_features, sizes, weights)
         self.input_is_parallel = input_is_parallel
-        self.weight = _local_param(linear.weight, 1, self.shard_start, self.shard_size)
-        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, 0, self.out_features)
+        b = self.in_features ** -0.5
+        self.weight = _local_param(linear.weight, 1, self.shard_start, self.shard_size, b)
+        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, 0, self.out_features, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Forward pass (shapes in the class docstring)."""

@@ -21,7 +21,7 @@ def format_plan(plan: Plan) -> str:
         f"{'TG':>3} {'kind':<10} {'dev':>3}  {'ranks':<16} {'params':>10}  modules",
     ]
     for tg in plan.task_graphs:
-        ranks = ",".join(map(str, plan.stage_ranks(tg.index)))
+        ranks = ",".join(map(str, plan.stage_ranks(0 if plan.colocated else tg.index)))
         lines.append(f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>10,}  "
                      f"{_short(tg.modules)}")
         for nest in tg.nested:
