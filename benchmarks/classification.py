@@ -5,8 +5,8 @@ Model: ``examples/classification``'s ResNet-style backbone sized to ~90 MiB of f
 plain SGD, generated data. Per C and world size n, ONE launch of n processes builds both engines (same initial
 weights) and interleaves their barrier-timed steps. Per step and rank, MEASURED by counting bytes handed over:
 
-- gradient sync: the engine's ``sync_bytes`` minus, under pure DP, the loss it fuses into the last bucket (one
-  fp32, read back from ``engine.grad_sync.extra``); split collectives (``split_ops.comm_bytes``): ``all_reduce``
+- gradient sync: the engine's ``sync_bytes`` (gradient bytes handed to all-reduce; under pure DP the loss rides
+  along in the last bucket as one more fp32, which ``sync_bytes`` leaves out); split collectives (``split_ops.comm_bytes``): ``all_reduce``
   (head input-gradient, sharded softmax), ``all_gather``, ``bridge`` (batch gather into the head); a tap on
   ``torch.distributed.all_reduce``/``all_gather`` counts every byte ("other" = what neither explains);
 - step time (median); memory per rank: RSS the engine keeps ("state"), the peak above the pre-step RSS in a step
@@ -155,7 +155,7 @@ def _timed_step(engine: wh.Engine, batch, tap: CollectiveTap) -> dict:
     extra = engine.grad_sync.extra  # the loss the engine fused into the last bucket (pure DP), else None
     fused = extra.numel() * extra.element_size() if extra is not None else 0
     return {"seconds": seconds, "loss": m["loss"], "sync_bytes": m["sync_bytes"], "fused_loss_bytes": fused,
-            "grad_bytes": m["sync_bytes"] - fused, "split": {k: comm_bytes[k] for k in SPLIT_KINDS},
+            "grad_bytes": m["sync_bytes"], "split": {k: comm_bytes[k] for k in SPLIT_KINDS},
             "tap": tap.take(), "step_peak": _status_bytes("VmHWM") - rss}
 
 
