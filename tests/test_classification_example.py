@@ -53,7 +53,7 @@ def test_benchmark_measured_sync_bytes_match_analytic():
     # input-gradient all-reduce of [rows, F] + sharded softmax: max (rows) and sum-exp/target (2 rows) fp32
     assert st["split"]["split_bytes"]["all_reduce"] == rows * SMALL["features"] * FP32 + 3 * rows * FP32
     assert st["dp"]["split_bytes"] == {"all_reduce": 0, "all_gather": 0, "bridge": 0}
-    assert sum(st["dp"]["tap_bytes"].values()) == st["dp"]["sync_bytes"]
+    assert sum(st["dp"]["tap_bytes"].values()) == st["dp"]["sync_bytes"] + st["dp"]["fused_loss_bytes"]
     assert st["dp"]["losses"] == pytest.approx(st["split"]["losses"], rel=1e-5)
 
 
