@@ -79,7 +79,7 @@ def _as_tuple(x) -> tuple:
 
 def _forward(run: StageRun, mb: int, grad: bool) -> None:
     inputs = _as_tuple(run.inputs[mb]) if run.is_first else p2p.recv_values(run.prev_rank, run.device)
-    start = time.perf_counter()
+    start = _clock()
     with torch.set_grad_enabled(grad):
         out = run.module(*inputs)
         if run.is_last:
@@ -113,7 +113,7 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
         tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
     if last:
         run.before_last_backward(run)
-    start = time.perf_counter()
+    start = _clock()
     if tensors:
         torch.autograd.backward(tensors, grads if not run.is_last else None)
     _account(run, start)
@@ -121,14 +121,23 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
         run._sends += p2p.send_grads(inputs, run.prev_rank)
 
 
-def _account(run: StageRun, start: float) -> None:
-    """Add a compute segment to ``busy``; under emulation stretch it to the declared device's speed."""
-    elapsed = time.perf_counter() - start
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def _account(run: StageRun, start: tuple[float, float]) -> None:
+    """Add a compute segment to ``busy``. Under emulation, stretch it to the declared device's speed: the
+    segment's CPU time (of this thread, which runs forward and CPU backward; robust to other processes taking
+    the core) times ``1 + slowdown`` is the emulated duration, and the rank waits until it has passed."""
+    wall0, cpu0 = start
     if run.slowdown > 0:
-        time.sleep(elapsed * run.slowdown)
-        elapsed = time.perf_counter() - start
-    run.busy += elapsed
-    run._segment = (start, start + elapsed)
+        target = wall0 + (time.thread_time() - cpu0) * (1.0 + run.slowdown)
+        pause = target - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    end = time.perf_counter()
+    run.busy += end - wall0
+    run._segment = (wall0, end)
 
 
 def _reap(run: StageRun) -> None:

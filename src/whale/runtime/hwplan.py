@@ -39,9 +39,10 @@ def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
     inputs = sample_batch[0]
 
     def make(b: int):
+        # clone: a slice keeps the whole batch's storage, which the profiler would count as activations
         if isinstance(inputs, tuple | list):
-            return tuple(t[:b] for t in inputs)
-        return inputs[:b]
+            return tuple(t[:b].clone() for t in inputs)
+        return inputs[:b].clone()
 
     return profile_model(model, make, batch_size=max(1, min(rows, sample_rows(sample_batch))))
 
