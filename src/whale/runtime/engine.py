@@ -18,7 +18,7 @@ from whale.parallel.schedule import Action, make_schedule
 from whale.plan.plan import Plan
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
-from whale.runtime.emulation import emulation_slowdown
+from whale.runtime.emulation import calibrated_slowdowns, emulation_slowdown, measure_unit_time
 from whale.runtime.groups import build_groups, norm_owned_params, sync_sets
 from whale.runtime.optim import make_optimizer
 
@@ -69,9 +69,20 @@ class Engine:
         broadcast_params(self._param_groups, {g: min(r) for r, g in groups.items() if g is not None})
         self.optimizer = make_optimizer(optimizer, self.module)
         self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
-        self.slowdown = emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
+        self.slowdown = self._emulation(ctx)
         self._norm_owner = norm_owned_params(plan, self.module, self.stage, self.lane, shared_stages,
                                              split_params)
+
+    def _emulation(self, ctx: Context) -> float:
+        """Under an emulated cluster, this rank's slowdown, calibrated to the real speed of every rank's core
+        (collective); 0 otherwise."""
+        if ctx.cluster is None or not ctx.cluster.emulate:
+            return 0.0
+        if ctx.world_size == 1:
+            return emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
+        times = [None] * ctx.world_size
+        dist.all_gather_object(times, measure_unit_time())
+        return calibrated_slowdowns(ctx.cluster, times, ctx.world_size)[ctx.rank]
 
     # --- stepping ----------------------------------------------------------------------------------------
     def _stage_run(self, batch, metrics: dict | None = None) -> StageRun:
