@@ -22,13 +22,45 @@ import torch.distributed as dist
 class _Bucket:
     params: list[torch.nn.Parameter]
     group: object
+    buf: torch.Tensor
+    offsets: list[int]
     ready: set[int] = field(default_factory=set)
-    buf: torch.Tensor | None = None
     work: object = None
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter i's slice of the buffer, shaped like the parameter."""
+        p = self.params[i]
+        return self.buf[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+    def owns(self, i: int, grad: torch.Tensor) -> bool:
+        """True when ``grad`` is parameter i's slice of this bucket."""
+        return grad.data_ptr() == self.buf.data_ptr() + self.offsets[i] * self.buf.element_size()
+
+    def attach(self) -> None:
+        """Make every parameter's ``.grad`` its slice of the bucket. No other reference to the views is kept:
+        autograd accumulates in place only into a gradient nobody else holds."""
+        for i, p in enumerate(self.params):
+            p.grad = self.view(i)
+
+
+def _make_bucket(params: list[torch.nn.Parameter], group, slack: int) -> _Bucket:
+    """A persistent flat buffer for ``params`` (plus ``slack`` spare elements at the end) whose slices are the
+    parameters' ``.grad``: backward accumulates straight into the bucket."""
+    p0 = params[0]
+    buf = torch.zeros(sum(p.numel() for p in params) + slack, dtype=p0.dtype, device=p0.device)
+    offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+    bucket = _Bucket(params, group, buf, offsets)
+    bucket.attach()
+    return bucket
 
 
 class GradSync:
     """Sums gradients of parameter sets over their process groups.
+
+    Gradients live in persistent flat bucket buffers (each parameter's ``.grad`` is a view of its bucket, as
+    DDP's ``gradient_as_bucket_view``), so backward accumulates into the bucket and the all-reduce runs in
+    place: no copies and no allocation per step. :meth:`zero_grad` zeroes the buckets (use it instead of the
+    optimizer's ``zero_grad(set_to_none=True)``; a gradient replaced by other code is copied back in).
 
     Args:
         param_groups: ``[(group, params), ...]``; ``group`` is a ``ProcessGroup`` or ``None`` (no reduction,
@@ -37,19 +69,20 @@ class GradSync:
             ``first_bucket_mb`` so that communication starts early in backward (as DDP does).
         overlap: start all-reduces from gradient hooks during the armed backward.
 
-    Usage per step: ``arm()`` before the last backward, then ``finish()`` after it. ``arm(extra)`` appends a
-    small float tensor to the last bucket, summed over that bucket's group for free (the step's loss).
+    Usage per step: ``arm()`` before the last backward, then ``finish()`` after it, ``zero_grad()`` after the
+    optimizer step. ``arm(extra)`` puts one float in a spare slot of the last bucket, summed over that
+    bucket's group for free (the step's loss).
     """
 
     def __init__(self, param_groups: list[tuple[object, list[torch.nn.Parameter]]], bucket_cap_mb: float = 25.0,
                  overlap: bool = True, first_bucket_mb: float = 1.0) -> None:
-        self.buckets: list[_Bucket] = []
+        plans: list[tuple[object, list[torch.nn.Parameter]]] = []
         for group, params in param_groups:
-            if group is None:
-                continue
-            self._fill(group, [p for p in reversed(params) if p.requires_grad],
-                       int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
-        self._index = {id(p): (i, b) for i, b in enumerate(self.buckets) for p in b.params}
+            if group is not None:
+                plans += self._fill(group, [p for p in reversed(params) if p.requires_grad],
+                                    int(bucket_cap_mb * 2**20), int(min(first_bucket_mb, bucket_cap_mb) * 2**20))
+        self.buckets = [_make_bucket(ps, g, 1 if i == len(plans) - 1 else 0) for i, (g, ps) in enumerate(plans)]
+        self._index = {id(p): b for b in self.buckets for p in b.params}
         self._armed = False
         self._next = 0
         self._extra: torch.Tensor | None = None
@@ -62,21 +95,26 @@ class GradSync:
                 for p in b.params:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    def _fill(self, group, params, cap, first_cap) -> None:
-        cur: list[torch.nn.Parameter] = []
+    @staticmethod
+    def _fill(group, params, cap, first_cap) -> list[tuple[object, list[torch.nn.Parameter]]]:
+        out, cur = [], []
         size, limit = 0, first_cap
         for p in params:
+            if cur and p.dtype != cur[0].dtype:
+                out.append((group, cur))
+                cur, size, limit = [], 0, cap
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= limit:
-                self.buckets.append(_Bucket(cur, group))
+                out.append((group, cur))
                 cur, size, limit = [], 0, cap
         if cur:
-            self.buckets.append(_Bucket(cur, group))
+            out.append((group, cur))
+        return out
 
     def arm(self, extra: torch.Tensor | None = None) -> None:
-        """Let gradient hooks launch all-reduces during the coming backward; ``extra`` (1-D float tensor)
-        rides along with the last bucket and is summed over its group (read it with :attr:`extra`)."""
+        """Let gradient hooks launch all-reduces during the coming backward; ``extra`` (one float) rides along
+        with the last bucket and is summed over its group (read it with :attr:`extra`)."""
         self._extra = extra
         self._armed = True
         self._next = 0
@@ -87,8 +125,7 @@ class GradSync:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self._armed:
             return
-        _, bucket = self._index[id(p)]
-        bucket.ready.add(id(p))
+        self._index[id(p)].ready.add(id(p))
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
             if len(b.ready) < len(b.params):
@@ -97,34 +134,37 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params]
-        if self._extra is not None and b is self.buckets[-1]:
-            grads.append(self._extra.to(grads[0].dtype))
-        b.buf = torch.cat(grads)
-        extra = 0 if b is not self.buckets[-1] or self._extra is None else self._extra.numel()
-        self.bytes_reduced += (b.buf.numel() - extra) * b.buf.element_size()
+        for i, p in enumerate(b.params):
+            if p.grad is None:  # unused this step, or reset by other code: contributes zeros
+                b.view(i).zero_()
+                p.grad = b.view(i)
+            elif not b.owns(i, p.grad):  # replaced by other code (or accumulated out of place): copy back in
+                b.view(i).copy_(p.grad)
+                p.grad = b.view(i)
+        last = b is self.buckets[-1]
+        if last:
+            b.buf[-1] = float(self._extra.reshape(-1)[0]) if self._extra is not None else 0.0
+        self.bytes_reduced += (b.buf.numel() - int(last)) * b.buf.element_size()
         b.work = dist.all_reduce(b.buf, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
 
     def finish(self) -> None:
-        """Launch what the hooks did not (unused parameters get zero gradients), wait, write gradients back."""
+        """Launch what the hooks did not (unused parameters count as zero gradients) and wait for all."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
         for b in self.buckets:
             b.work.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                view = b.buf[offset: offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-                offset += n
-            if self._extra is not None and b is self.buckets[-1]:
-                self.extra = b.buf[offset:].clone()
-            b.buf, b.work = None, None
+            b.work = None
+        if self._extra is not None and self.buckets:
+            self.extra = self.buckets[-1].buf[-1:].clone()
         self._armed = False
+
+    def zero_grad(self) -> None:
+        """Zero every bucket (gradients stay views of their buckets)."""
+        for b in self.buckets:
+            b.buf.zero_()
+            if not all(p.grad is not None and b.owns(i, p.grad) for i, p in enumerate(b.params)):
+                b.attach()
 
     def remove(self) -> None:
         """Remove the gradient hooks."""

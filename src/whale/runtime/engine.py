@@ -69,6 +69,8 @@ class Engine:
         broadcast_params(self._param_groups, {g: min(r) for r, g in groups.items() if g is not None})
         self.optimizer = make_optimizer(optimizer, self.module)
         self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
+        bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
+        self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
         self.slowdown = self._emulation(ctx)
         self._norm_owner = norm_owned_params(plan, self.module, self.stage, self.lane, shared_stages,
                                              split_params)
@@ -149,7 +151,7 @@ class Engine:
         self.grad_sync.finish()
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         (loss,) = self._global_sum([run.loss_sum], fused=self._fuse_loss())
         elapsed = time.perf_counter() - start
         self.steps_done += 1
@@ -161,6 +163,12 @@ class Engine:
         if norm is not None:
             out["grad_norm"] = norm
         return out
+
+    def _zero_grad(self) -> None:
+        """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""
+        self.grad_sync.zero_grad()
+        for p in self._unbucketed:
+            p.grad = None
 
     def _clip(self) -> float:
         """Clip the global gradient norm to ``config.max_grad_norm``; returns the norm before clipping."""
