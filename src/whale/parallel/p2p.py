@@ -5,6 +5,12 @@ each other at the same moment (a forward activation one way, a gradient the othe
 A forward transfer is one fixed-size header (the pickled description of the values: shapes, dtypes,
 ``requires_grad``, and any non-tensor values inline) followed by one message per tensor. Gradients flow back
 without a header: both sides know their shapes.
+
+Receives are posted ahead (:class:`PendingRecv`): a stage posts the receive of micro-batch m+1's inputs as soon
+as m's arrived (micro-batches of one step have equal shapes, so the previous header tells the sizes) and the
+receive of m's output gradients right after sending m's outputs. A sender then finds its receiver ready and
+its data goes out at once, instead of waiting for the sender's communication thread to be scheduled next to
+its busy compute thread (milliseconds on a loaded core).
 """
 
 from __future__ import annotations
@@ -52,22 +58,56 @@ def send_values(values: tuple, dst: int, device: torch.device) -> list:
     return works
 
 
-def recv_values(src: int, device: torch.device) -> tuple:
-    """Receive values sent by :func:`send_values` from ``src``. Float tensors that required grad on the
-    sender come back as leaves with ``requires_grad=True``."""
-    header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
-    dist.recv(header, src)
-    meta = pickle.loads(header.cpu().numpy().tobytes())
+class PendingRecv:
+    """A posted receive of one :func:`send_values` transfer from ``src``.
+
+    With ``expect`` (the description of the previous transfer) the tensor receives are posted at once too;
+    :meth:`wait` then checks that the header matches.
+    """
+
+    def __init__(self, src: int, device: torch.device, expect: list | None = None) -> None:
+        self.src, self.device, self.expect = src, device, expect
+        self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
+        self.work = dist.irecv(self.header, src)
+        self.tensors = _post(expect, src, device) if expect is not None else None
+
+    def wait(self) -> tuple[tuple, list]:
+        """The received values and their description. Float tensors that required grad on the sender come
+        back as leaves with ``requires_grad=True``.
+
+        Raises:
+            TransferError: the values' shapes changed between micro-batches of a step.
+        """
+        self.work.wait()
+        meta = pickle.loads(self.header.cpu().numpy().tobytes())
+        if self.tensors is None:
+            self.tensors = _post(meta, self.src, self.device)
+        elif meta != self.expect:
+            raise TransferError(f"stage boundary values changed between micro-batches of one step ({self.expect} "
+                                f"then {meta}); every micro-batch must pass values of the same shapes")
+        out, tensors = [], iter(self.tensors)
+        for m in meta:
+            if m[0] == "v":
+                out.append(m[1])
+                continue
+            t, work = next(tensors)
+            work.wait()
+            out.append(t.requires_grad_(m[3]))
+        return tuple(out), meta
+
+
+def _post(meta: list, src: int, device: torch.device) -> list:
     out = []
     for m in meta:
-        if m[0] == "v":
-            out.append(m[1])
-            continue
-        _, shape, dtype, requires_grad = m
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src)
-        out.append(t.requires_grad_(requires_grad))
-    return tuple(out)
+        if m[0] == "t":
+            t = torch.empty(m[1], dtype=m[2], device=device)
+            out.append((t, dist.irecv(t, src)))
+    return out
+
+
+def recv_values(src: int, device: torch.device) -> tuple:
+    """Receive values sent by :func:`send_values` from ``src`` (blocking)."""
+    return PendingRecv(src, device).wait()[0]
 
 
 def send_grads(inputs: tuple, dst: int) -> list:
@@ -81,12 +121,24 @@ def send_grads(inputs: tuple, dst: int) -> list:
     return works
 
 
-def recv_grads(outputs: tuple, src: int) -> list[torch.Tensor]:
-    """Receive one gradient per output tensor that requires grad, in order."""
-    grads = []
+def post_grads(outputs: tuple, src: int) -> list:
+    """Post the receives of one gradient per output tensor that requires grad, in order; pass the result to
+    :func:`wait_grads`."""
+    posted = []
     for v in outputs:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             g = torch.empty_like(v)
-            dist.recv(g, src)
-            grads.append(g)
-    return grads
+            posted.append((g, dist.irecv(g, src)))
+    return posted
+
+
+def wait_grads(posted: list) -> list[torch.Tensor]:
+    """Wait for gradients posted by :func:`post_grads`."""
+    for _, work in posted:
+        work.wait()
+    return [g for g, _ in posted]
+
+
+def recv_grads(outputs: tuple, src: int) -> list[torch.Tensor]:
+    """Receive one gradient per output tensor that requires grad, in order (blocking)."""
+    return wait_grads(post_grads(outputs, src))

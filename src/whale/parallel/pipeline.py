@@ -59,6 +59,7 @@ class StageRun:
     busy: float = 0.0
     loss_sum: float = 0.0
     _live: dict = field(default_factory=dict)
+    _next_inputs: p2p.PendingRecv | None = None
     _segment: tuple = (0.0, 0.0)
     _sends: list = field(default_factory=list)
 
@@ -77,8 +78,15 @@ def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _forward(run: StageRun, mb: int, grad: bool) -> None:
-    inputs = _as_tuple(run.inputs[mb]) if run.is_first else p2p.recv_values(run.prev_rank, run.device)
+def _receive_inputs(run: StageRun, mb: int, num_micro_batch: int) -> tuple:
+    pending = run._next_inputs or p2p.PendingRecv(run.prev_rank, run.device)
+    inputs, meta = pending.wait()
+    run._next_inputs = p2p.PendingRecv(run.prev_rank, run.device, meta) if mb + 1 < num_micro_batch else None
+    return inputs
+
+
+def _forward(run: StageRun, mb: int, grad: bool, num_micro_batch: int) -> None:
+    inputs = _as_tuple(run.inputs[mb]) if run.is_first else _receive_inputs(run, mb, num_micro_batch)
     start = _clock()
     with torch.set_grad_enabled(grad):
         out = run.module(*inputs)
@@ -88,7 +96,8 @@ def _forward(run: StageRun, mb: int, grad: bool) -> None:
     if not run.is_last:
         run._sends += p2p.send_values(out, run.next_rank, run.device)
     if grad:
-        run._live[mb] = (inputs, out)
+        posted = p2p.post_grads(out, run.next_rank) if not run.is_last else []
+        run._live[mb] = (inputs, out, posted)
 
 
 def _loss(run: StageRun, mb: int, out) -> torch.Tensor:
@@ -105,11 +114,11 @@ def _loss(run: StageRun, mb: int, out) -> torch.Tensor:
 
 
 def _backward(run: StageRun, mb: int, last: bool) -> None:
-    inputs, out = run._live.pop(mb)
+    inputs, out, posted = run._live.pop(mb)
     if run.is_last:
         tensors, grads = [out], [None]
     else:
-        grads = p2p.recv_grads(out, run.next_rank)
+        grads = p2p.wait_grads(posted)
         tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
     if last:
         run.before_last_backward(run)
@@ -158,7 +167,7 @@ def execute(run: StageRun, actions: list[Action], num_micro_batch: int, train: b
     for a in actions:
         begin = time.perf_counter()
         if a.kind == "F":
-            _forward(run, a.mb, grad=train)
+            _forward(run, a.mb, grad=train, num_micro_batch=num_micro_batch)
         elif train:
             _backward(run, a.mb, last=a.mb == num_micro_batch - 1)
         else:

@@ -204,9 +204,9 @@ class Engine:
 
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy (compute) and schedule seconds over the last 20 steps, gathered from all ranks
-        (collective: every rank must call it). ``step`` is the time of the forward/backward schedule alone
-        (gradient sync and the optimizer step excluded), so ``idle_share = 1 - busy/step`` is the pipeline
-        bubble plus stage-to-stage transfer time, comparable with (p-1)/(m+p-1)."""
+        (collective: every rank must call it). ``step`` is the makespan of the forward/backward schedule (the
+        longest stage window; gradient sync and the optimizer step excluded), so ``idle_share = 1 - busy/step``
+        is the pipeline bubble plus stage-to-stage transfer time, comparable with (p-1)/(m+p-1)."""
         mine = [sum(b for b, _ in self._history), sum(t for _, t in self._history), len(self._history)]
         allv = [None] * self.world_size
         if self.world_size > 1:
@@ -218,7 +218,11 @@ class Engine:
             rows = [v for st, v in allv if st == s and v[2]]
             busy = sum(r[0] / r[2] for r in rows) / max(1, len(rows))
             step = sum(r[1] / r[2] for r in rows) / max(1, len(rows))
-            out.append({"stage": s, "busy": busy, "step": step, "idle_share": 1 - busy / step if step else 0.0})
+            out.append({"stage": s, "busy": busy, "step": step})
+        window = max(o["step"] for o in out)  # the schedule's makespan: the slowest stage's window
+        for o in out:
+            o["step"] = window
+            o["idle_share"] = 1 - o["busy"] / window if window else 0.0
         return out
 
     # --- state ---------------------------------------------------------------------------------------------
