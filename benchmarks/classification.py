@@ -6,7 +6,8 @@ plain SGD, generated data. Per C and world size n, ONE launch of n processes bui
 weights) and interleaves their barrier-timed steps. Per step and rank, MEASURED by counting bytes handed over:
 
 - gradient sync: the engine's ``sync_bytes`` (gradient bytes handed to all-reduce; under pure DP the loss rides
-  along in the last bucket as one more fp32, which ``sync_bytes`` leaves out); split collectives (``split_ops.comm_bytes``): ``all_reduce``
+  along in the last bucket as one more fp32, which ``sync_bytes`` leaves out); split collectives
+  (``split_ops.comm_bytes``): ``all_reduce``
   (head input-gradient, sharded softmax), ``all_gather``, ``bridge`` (batch gather into the head); a tap on
   ``torch.distributed.all_reduce``/``all_gather`` counts every byte ("other" = what neither explains);
 - step time (median); memory per rank: RSS the engine keeps ("state"), the peak above the pre-step RSS in a step
