@@ -32,17 +32,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import whale as wh  # noqa: E402
+from benchmarks._launch import launch as shared_launch  # noqa: E402
 from examples.classification.model import backbone_params, build, head_params, hidden_for_bytes  # noqa: E402
 from whale.parallel.split_ops import comm_bytes  # noqa: E402
 from whale.plan.balance import InfeasiblePlanError, balance_batch, balance_shards  # noqa: E402
@@ -182,38 +180,9 @@ def compare_worker(rank: int, world: int, case: dict) -> dict:
     return {"rank": rank, "base_rss": base, "mem": mem, "steps": steps}
 
 
-def _entry(rank: int, world: int, init_file: str, fn, case: dict, queue) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world, case)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", f"{exc!r}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(fn, world: int, case: dict, timeout: float = 900.0) -> list[dict]:
     """Run ``fn(rank, world, case)`` on ``world`` fresh spawned gloo processes; results ordered by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, case, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            results = {rank: (status, payload) for rank, status, payload in
-                       (queue.get(timeout=timeout) for _ in range(world))}
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    for rank, (status, payload) in sorted(results.items()):
-        if status == "error":
-            raise RuntimeError(f"rank {rank} failed: {payload}")
-    return [results[r][1] for r in range(world)]
+    return shared_launch(fn, world, case, timeout)
 
 
 def summarize(case: dict, ranks: list[dict]) -> dict:

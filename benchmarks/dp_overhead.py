@@ -14,16 +14,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks._launch import launch  # noqa: E402
 
 
 class Block(nn.Module):
@@ -65,11 +64,10 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, init_file: str, args, out_q) -> None:
+def _worker(rank: int, world: int, args) -> dict:
     import whale as wh
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     ctx = wh.init(wh.Config(seed=0, bucket_cap_mb=args.bucket_mb))
     model = Net(args.vocab, args.dim, args.layers)
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=args.bucket_mb)
@@ -93,9 +91,7 @@ def _worker(rank: int, world: int, init_file: str, args, out_q) -> None:
         if i >= args.warmup:
             times["whale"].append(tw)
             times["ddp"].append(td)
-    if rank == 0:
-        out_q.put(times)
-    dist.destroy_process_group()
+    return times
 
 
 def main() -> None:
@@ -112,16 +108,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, args.nproc, os.path.join(tmp, "s"), args, q))
-                 for r in range(args.nproc)]
-        for proc in procs:
-            proc.start()
-        times = q.get(timeout=1800)
-        for proc in procs:
-            proc.join()
+    times = launch(_worker, args.nproc, args)[0]
     report(times, args)
 
 

@@ -48,18 +48,17 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks._launch import launch as shared_launch  # noqa: E402
+
 CLUSTERS = os.path.join(HERE, "clusters")
 BANNER = ("EMULATED heterogeneous cluster: CPU ranks imitate V100/P100 speed ratios (and scaled memory); "
           "numbers are emulation, not real GPUs")
@@ -462,40 +461,9 @@ def mem_analysis(res: dict, prof) -> dict:
 
 
 # --- launching -----------------------------------------------------------------------------------------------
-def _entry(rank: int, world: int, init_file: str, fn, cfg: dict, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        result = fn(rank, world, cfg)
-        if rank == 0:
-            queue.put(("ok", result))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(fn, world: int, cfg: dict, timeout: float = 900.0):
-    """Run ``fn(rank, world, cfg)`` on ``world`` fresh gloo ranks (spawn); rank 0's return value."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            status, payload = queue.get(timeout=timeout)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    if status != "ok":
-        raise RuntimeError(f"benchmark rank failed: {payload}")
-    return payload
+    """Run ``fn(rank, world, cfg)`` on ``world`` fresh gloo ranks; rank 0's return value."""
+    return shared_launch(fn, world, cfg, timeout)[0]
 
 
 # --- main ----------------------------------------------------------------------------------------------------

@@ -15,15 +15,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks._launch import launch  # noqa: E402
 
 
 class Block(nn.Module):
@@ -55,12 +54,10 @@ class Pipe(nn.Module):
         return self.blocks(x)
 
 
-def _worker(rank, world, init_file, args, q):
+def _worker(rank, world, args):
     import whale as wh
     from whale.parallel.schedule import make_schedule, simulate
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = []
     for schedule in ("1F1B", "GPipe"):
         for m in args.micro_batches:
@@ -86,9 +83,7 @@ def _worker(rank, world, init_file, args, q):
                                 "idle_share": [g[0] for g in gathered], "theory": (world - 1) / (m + world - 1),
                                 "fwd_s": [g[1] for g in gathered], "bwd_s": [g[2] for g in gathered],
                                 "simulated_idle_share": sim["idle_share"]})
-    if rank == 0:
-        q.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -102,16 +97,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, args.stages, os.path.join(tmp, "s"), args, q))
-                 for r in range(args.stages)]
-        for proc in procs:
-            proc.start()
-        results = q.get(timeout=1800)
-        for proc in procs:
-            proc.join()
+    results = launch(_worker, args.stages, args)[0]
     print("idle share of the schedule time per stage: measured, event simulation fed the measured per-stage\n"
           "forward/backward times (stages are never exactly equal on shared vCPUs), and theory (p-1)/(m+p-1)")
     print(f"{'schedule':>8} {'m':>3} {'theory':>7}  {'measured':<16} {'simulated':<16} {'F ms':<12} {'B ms':<12} "
