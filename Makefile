@@ -24,7 +24,7 @@ data/shakespeare/.ready: $(STAMP) examples/gpt/data.py
 	$(PY) -m examples.gpt.data --fetch
 
 train: $(STAMP) data/shakespeare/.ready
-	$(VENV)/bin/whale launch -n $(NPROC) --cluster $(CLUSTER) examples/gpt/train.py $(TRAIN_ARGS)
+	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/gpt/train.py $(TRAIN_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -108,3 +108,16 @@ def test_whale_plan_command_prints_the_hardware_aware_plan(capsys):
     rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "2", "--json", "--args", "stages=1"])
     plan = wh.Plan.from_json(capsys.readouterr().out)
     assert rc == 0 and plan.num_lanes == 2
+
+
+def test_whale_plan_bad_input_is_one_line(capsys, tmp_path):
+    from whale.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes:\n  - devices: [RTX-9999]\n")
+    rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "1", "--cluster", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "bad.yaml" in err and "RTX-9999" in err
+    rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a multiple of 2" in err

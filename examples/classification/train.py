@@ -38,7 +38,7 @@ NUM_DIGITS = 10
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; the defaults train to > 90% held-out accuracy on 2 CPU processes in seconds."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     a = p.add_argument
     a("--steps", type=int, default=150, help="optimizer steps")
     a("--batch-size", type=int, default=64, help="global batch (images per step, all ranks together)")

@@ -223,6 +223,23 @@ def sample(cfg: GPTConfig, full_state: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the job; a configuration error prints one line (rank 0) and exits with status 2."""
+    try:
+        run(argv)
+    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ResumeError, ValueError) as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+class ResumeError(ValueError):
+    """``--resume`` cannot continue: the checkpoint is already at or past ``--steps``."""
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Train, evaluate, checkpoint, sample (see the module docstring)."""
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
@@ -232,10 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
+    if start >= args.steps:
+        raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
+                          f"nothing to do; pass --steps larger than {start} to train further")
     if "val0" not in state:
         state["val0"] = evaluate(engine, val_tokens, args)
     if ctx.rank == 0:
-        print(f"step {start}: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})")
+        print(f"step 0: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})"
+              + (f"; resuming at step {start}" if start else ""))
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     state = train_loop(engine, args, batches, val_tokens, start, end, state)
     state["steps_done"] = end

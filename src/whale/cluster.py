@@ -315,7 +315,10 @@ class ClusterSpec:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ClusterError(f"cluster spec {str(path)!r} is not valid YAML: {e}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ClusterError as e:
+            raise ClusterError(f"cluster spec {str(path)!r}: {e}") from None
 
     def to_yaml(self) -> str:
         """The spec as YAML text (readable back with :meth:`from_yaml`)."""

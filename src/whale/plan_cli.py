@@ -33,6 +33,19 @@ def load_factory(spec: str):
         raise SystemExit(f"whale plan: cannot load {spec!r}: {exc}") from None
 
 
+def _make_plan(ns: argparse.Namespace):
+    import whale as wh
+
+    pairs = [kv.split("=", 1) for kv in ns.args]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"--args takes KEY=VALUE pairs, got {ns.args}")
+    made = load_factory(ns.model)(**{k: _value(v) for k, v in pairs})
+    model, sample = made if isinstance(made, tuple) else (made, None)
+    config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
+                       hardware_aware=not ns.no_hardware_aware)
+    return wh.plan_model(model, ns.world, config, sample_batch=sample)
+
+
 def add_plan(sub: argparse._SubParsersAction) -> None:
     """Register ``whale plan``."""
     p = sub.add_parser("plan", help="print the plan for a model on a world size / cluster (no processes)",
@@ -50,15 +63,12 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    """Build the model, plan it, print it."""
-    import whale as wh
-
-    kwargs = dict(kv.split("=", 1) for kv in ns.args)
-    made = load_factory(ns.model)(**{k: _value(v) for k, v in kwargs.items()})
-    model, sample = made if isinstance(made, tuple) else (made, None)
-    config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
-                       hardware_aware=not ns.no_hardware_aware)
-    plan = wh.plan_model(model, ns.world, config, sample_batch=sample)
+    """Build the model, plan it, print it; a bad input prints one line and returns 2."""
+    try:
+        plan = _make_plan(ns)
+    except (ValueError, TypeError) as exc:
+        print(f"whale plan: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     print(plan.to_json(indent=2) if ns.json else plan)
     if not ns.json and plan.is_pipeline:
         from whale.parallel.schedule import format_schedule, make_schedule

@@ -157,10 +157,13 @@ class Plan:
                 there are lanes (some lane would get no rows).
         """
         m = self.num_micro_batch
+        smallest = m * self.num_lanes
         if global_batch % m:
+            good = max(smallest, -(-global_batch // m) * m)
             raise PlanError(
                 f"global batch of {global_batch} rows does not divide into num_micro_batch={m} micro-batches; "
-                f"use a batch that is a multiple of {m} (e.g. {max(m, global_batch // m * m)})"
+                f"use a multiple of {m} with at least {smallest} rows ({self.num_lanes} data-parallel ranks x "
+                f"{m} micro-batches), e.g. {good}"
             )
         mb = global_batch // m
         shares = apportion(mb, self.lane_weights)

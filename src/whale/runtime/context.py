@@ -81,7 +81,11 @@ def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
     else:
         spec = ClusterSpec.from_yaml(os.fspath(cluster))
     if spec is not None:
-        spec.check_world_size(world_size)
+        try:
+            spec.check_world_size(world_size)
+        except ValueError as e:
+            where = f"cluster spec {os.fspath(cluster)!r}: " if isinstance(cluster, str | os.PathLike) else ""
+            raise type(e)(f"{where}{e}") from None
     return spec
 
 
