@@ -23,19 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
-
-
-class Block(nn.Module):
-    """Pre-LN transformer-ish MLP block, [B, T, d] -> [B, T, d]."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+from benchmarks._models import Block  # noqa: E402
 
 
 class Net(nn.Module):

@@ -58,6 +58,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from benchmarks._launch import launch as shared_launch  # noqa: E402
+from benchmarks._models import Block  # noqa: E402
 
 CLUSTERS = os.path.join(HERE, "clusters")
 BANNER = ("EMULATED heterogeneous cluster: CPU ranks imitate V100/P100 speed ratios (and scaled memory); "
@@ -74,19 +75,6 @@ QUICK = {"dim": 32, "tokens": 64, "dp_layers": 2, "dp_batch": 62, "dp4_batch": 1
 
 
 # --- model ---------------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-LN token MLP block, [B, T, d] -> [B, T, d]: compute grows with T, parameters do not."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
 class TokenMLP(nn.Module):
     """``layers`` equal blocks; with ``stages > 1`` they are built in ``stages`` contiguous, as-even-as-possible
     groups, each inside ``wh.replicate(1)`` (one pipeline stage each; earlier stages get the remainder)."""
