@@ -37,6 +37,10 @@ class Config:
     shares and split shard sizes proportional to FLOPS within memory, pipeline devices ordered by memory, and
     (given a sample batch) stage cuts that minimize the slowest stage."""
 
+    rebalance_after: int | None = None
+    """After this many steps, re-balance the data-parallel lanes' shares from their measured compute time per
+    sample (profile-guided balancing; see :meth:`whale.Engine.rebalance`). ``None``: keep the planned shares."""
+
     max_grad_norm: float | None = None
     """Clip the global gradient norm (over all stages, lanes and shards) to this value; ``None``: no clipping."""
 
@@ -74,6 +78,9 @@ class Config:
             if not shares or any(not (float(s) > 0) for s in shares):
                 raise ConfigError(f"load_shares={self.load_shares!r} must be a non-empty tuple of numbers > 0")
             object.__setattr__(self, "load_shares", tuple(float(s) for s in shares))
+        if self.rebalance_after is not None and (not isinstance(self.rebalance_after, int)
+                                                 or self.rebalance_after < 1):
+            raise ConfigError(f"rebalance_after={self.rebalance_after!r} must be an int >= 1 or None")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm} must be > 0 or None")
         if self.backend not in (None, "gloo", "nccl"):

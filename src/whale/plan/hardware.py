@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.plan.balance import InfeasiblePlanError, balance_batch
 from whale.plan.partition import order_devices_by_memory
-from whale.plan.plan import Plan
+from whale.plan.plan import Plan, PlanError
 
 
 @dataclass(frozen=True)
@@ -147,5 +147,31 @@ def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None 
     if cluster.emulate:
         out.notes.append("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
                          f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware")
+    out.validate()
+    return out
+
+
+def rebalance(plan: Plan, seconds_per_row: list[float]) -> Plan:
+    """A copy of ``plan`` whose lane shares follow measured speed (profile-guided balancing).
+
+    ``seconds_per_row[lane]`` is the compute time per sample of the lane's slowest stage, measured over recent
+    steps; the new shares are proportional to ``1 / seconds_per_row``. Datasheet FLOPS miss what really sets a
+    device's speed on a model (kernel efficiency, clocks, a slower core), so a plan made from them is corrected
+    after a few steps. Memory limits are not re-checked: use it where the datasheet plan was not memory-bound.
+
+    Raises:
+        PlanError: a wrong number of measurements or a non-positive one.
+    """
+    if len(seconds_per_row) != plan.num_lanes or any(not t > 0 for t in seconds_per_row):
+        raise PlanError(f"rebalance needs {plan.num_lanes} positive seconds-per-row measurements, "
+                        f"got {seconds_per_row}")
+    out = dataclasses.replace(plan, lane_weights=[1.0 / t for t in seconds_per_row], notes=list(plan.notes))
+    if plan.devices:
+        speeds = [0.0] * plan.world_size
+        for lane, t in enumerate(seconds_per_row):
+            for s in range(plan.num_stages):
+                speeds[plan.rank_of(s, lane)] = 1.0 / t
+        out.predicted_utilization = predicted_utilization(out, speeds)
+    out.notes.append("lane shares re-balanced from measured step times")
     out.validate()
     return out

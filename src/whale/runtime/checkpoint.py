@@ -12,6 +12,7 @@ Layout of a checkpoint directory::
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING
 
@@ -31,10 +32,8 @@ def _rank_file(path: str, rank: int) -> str:
 
 
 def _layout(plan_json: str) -> dict:
-    import json
-
     d = json.loads(plan_json)
-    return {k: d[k] for k in ("world_size", "num_replicas", "num_micro_batch", "lane_weights")} | {
+    return {k: d[k] for k in ("world_size", "num_replicas", "num_micro_batch")} | {
         "stages": [(tg["kind"], tg["device_count"], tg["modules"]) for tg in d["task_graphs"]]
     }
 
@@ -74,8 +73,10 @@ def load(engine: Engine, path: str) -> dict:
     if saved != now:
         diff = [k for k in now if saved.get(k) != now[k]]
         raise CheckpointError(f"checkpoint {path!r} was saved under a different plan (differs in {diff}); "
-                              "resume with the same world size, annotations, micro-batches and load shares")
+                              "resume with the same world size, annotations and micro-batches")
     engine.load_state_dict(state)
+    # lane shares are a speed setting, not a layout: a re-balanced run resumes with the shares it had
+    engine.plan.lane_weights = list(json.loads(state["plan"])["lane_weights"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])

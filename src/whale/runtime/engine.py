@@ -15,6 +15,7 @@ from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import StageRun, execute
 from whale.parallel.regions import install_split_regions
 from whale.parallel.schedule import Action, make_schedule
+from whale.plan import hardware
 from whale.plan.plan import Plan
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
@@ -155,7 +156,10 @@ class Engine:
         (loss,) = self._global_sum([run.loss_sum], fused=self._fuse_loss())
         elapsed = time.perf_counter() - start
         self.steps_done += 1
-        self._history.append((run.busy, schedule_time))
+        if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
+            self.rebalance()
+        self._history.append((run.busy, schedule_time, sum(b - a for a, b in
+                                                           self.plan.micro_batch_rows(_batch_size(batch[0]))[self.lane])))
         self.last_timeline = run.timeline
         out = {"loss": loss, "step_time": elapsed, "schedule_time": schedule_time, "busy_time": run.busy,
                "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
@@ -202,12 +206,33 @@ class Engine:
         values = self._global_sum([run.loss_sum] + [run.metric_sums.get(k, 0.0) for k in names])
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
+    def rebalance(self) -> Plan:
+        """Re-balance the lanes' batch shares from the compute time per sample measured over recent steps
+        (collective: every rank must call it). The new plan comes from the pure planner function
+        :func:`whale.plan.hardware.rebalance`; only the shares change, so nothing is rebuilt.
+
+        Returns:
+            The new plan (also ``self.plan``).
+        """
+        busy = sum(h[0] for h in self._history)
+        rows = sum(h[2] for h in self._history)
+        mine = (self.lane, busy / rows if rows else 0.0)
+        every = [mine] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(every, mine)
+        per_lane = [0.0] * self.plan.num_lanes
+        for lane, t in every:
+            per_lane[lane] = max(per_lane[lane], t)
+        self.plan = hardware.rebalance(self.plan, per_lane)
+        self._history.clear()
+        return self.plan
+
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy (compute) and schedule seconds over the last 20 steps, gathered from all ranks
         (collective: every rank must call it). ``step`` is the makespan of the forward/backward schedule (the
         longest stage window; gradient sync and the optimizer step excluded), so ``idle_share = 1 - busy/step``
         is the pipeline bubble plus stage-to-stage transfer time, comparable with (p-1)/(m+p-1)."""
-        mine = [sum(b for b, _ in self._history), sum(t for _, t in self._history), len(self._history)]
+        mine = [sum(h[0] for h in self._history), sum(h[1] for h in self._history), len(self._history)]
         allv = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(allv, (self.stage, mine))
