@@ -41,9 +41,7 @@ Writes JSON (``--out``) and a PNG with the same stem next to it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import statistics
@@ -52,18 +50,23 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks._hetero_model import (  # noqa: E402
+    TokenMLP,
+    _sgd,
+    layer_profile,
+    loss_fn,
+    make_batch,
+    mem_analysis,
+    memory_scale_for,
+    pp_analysis,
+)
+from benchmarks._hetero_report import BANNER, plot, report  # noqa: E402
 from benchmarks._launch import launch as shared_launch  # noqa: E402
-from benchmarks._models import Block  # noqa: E402
 
 CLUSTERS = os.path.join(HERE, "clusters")
-BANNER = ("EMULATED heterogeneous cluster: CPU ranks imitate V100/P100 speed ratios (and scaled memory); "
-          "numbers are emulation, not real GPUs")
-
 FULL = {"dim": 64, "tokens": 256, "dp_layers": 4, "dp_batch": 62, "dp4_batch": 124, "dp_warmup": 2,
         "dp_rounds": 15, "dp_k": 3, "pp_layers": 20, "pp_micro": 16, "pp_micro_rows": 4, "pp_warmup": 1,
         "pp_rounds": 8, "mem_rounds": 4, "mem_slack": 0.05}
@@ -72,43 +75,6 @@ QUICK = {"dim": 32, "tokens": 64, "dp_layers": 2, "dp_batch": 62, "dp4_batch": 1
          "dp_rounds": 3, "dp_k": 2, "pp_layers": 12, "pp_micro": 8, "pp_micro_rows": 2, "pp_warmup": 1,
          "pp_rounds": 2, "mem_rounds": 2, "mem_slack": 0.05}
 """Quick run: a smoke test of every case (numbers are dominated by per-step overhead)."""
-
-
-# --- model ---------------------------------------------------------------------------------------------------
-class TokenMLP(nn.Module):
-    """``layers`` equal blocks; with ``stages > 1`` they are built in ``stages`` contiguous, as-even-as-possible
-    groups, each inside ``wh.replicate(1)`` (one pipeline stage each; earlier stages get the remainder)."""
-
-    def __init__(self, dim: int, layers: int, stages: int = 1) -> None:
-        super().__init__()
-        import whale as wh
-
-        q, r = divmod(layers, stages)
-        blocks: list[nn.Module] = []
-        for s in range(stages):
-            with wh.replicate(1) if stages > 1 else contextlib.nullcontext():
-                blocks.extend(Block(dim) for _ in range(q + (1 if s < r else 0)))
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def loss_fn(out, y):
-    """Mean squared error over the rows given (a mean, as Whale requires)."""
-    return F.mse_loss(out, y)
-
-
-def make_batch(rows: int, tokens: int, dim: int, seed: int = 1):
-    """A fixed global batch ``(x, y)`` of shape [rows, tokens, dim]."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, tokens, dim, generator=g), torch.randn(rows, tokens, dim, generator=g)
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=1e-3)
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -316,138 +282,6 @@ def _uniform(layers: int, stages: int) -> list[int]:
     return [q + (1 if s < r else 0) for s in range(stages)]
 
 
-# --- analysis (no processes) ---------------------------------------------------------------------------------
-def layer_profile(dim: int, layers: int, tokens: int):
-    """Per-block forward/backward FLOPs per sample and the rest (loss), from Whale's fake-tensor profiler."""
-    from whale.runtime import hwplan
-
-    model = TokenMLP(dim, layers)
-    prof = hwplan.profile(model, make_batch(2, tokens, dim))
-    fwd = [u.forward_flops for u in prof.units]
-    bwd = [u.backward_flops for u in prof.units]
-    return fwd, bwd, prof.rest.forward_flops, prof.rest.backward_flops, prof
-
-
-def stage_work(counts, fwd, bwd, rest_f, rest_b):
-    """(forward, backward) FLOPs per sample of each stage of a cut; the rest (loss) on the last stage."""
-    out, a = [], 0
-    for s, c in enumerate(counts):
-        f, b = sum(fwd[a:a + c]), sum(bwd[a:a + c])
-        if s == len(counts) - 1:
-            f, b = f + rest_f, b + rest_b
-        out.append((f, b))
-        a += c
-    return out
-
-
-def bottleneck(counts, fwd, bwd, rest_f, rest_b, speeds) -> float:
-    """Slowest stage's (forward + backward) time per sample at the stage devices' speeds."""
-    return max((f + b) / v for (f, b), v in zip(stage_work(counts, fwd, bwd, rest_f, rest_b), speeds, strict=True))
-
-
-def best_cut(fwd, bwd, rest_f, rest_b, speeds) -> list[int]:
-    """Contiguous cut minimizing the slowest stage, by brute force over every composition (few layers)."""
-    n, s = len(fwd), len(speeds)
-    best, arg = float("inf"), None
-    for cuts in itertools.combinations(range(1, n), s - 1):
-        bounds = (0, *cuts, n)
-        counts = [bounds[i + 1] - bounds[i] for i in range(s)]
-        t = bottleneck(counts, fwd, bwd, rest_f, rest_b, speeds)
-        if t < best - 1e-15:
-            best, arg = t, counts
-    return arg
-
-
-def simulate_1f1b(fwd_t: list[float], bwd_t: list[float], m: int) -> float:
-    """Makespan of a 1F1B step (Whale's schedule) with per-stage forward/backward times per micro-batch;
-    communication free. F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i); each stage runs its actions in order."""
-    from whale.parallel.schedule import make_schedule
-
-    sched = make_schedule("1F1B", len(fwd_t), m)
-    S = len(fwd_t)
-    done: dict[tuple[str, int, int], float] = {}
-    pos, clock = [0] * S, [0.0] * S
-    while any(pos[s] < len(sched[s]) for s in range(S)):
-        progressed = False
-        for s in range(S):
-            while pos[s] < len(sched[s]):
-                a = sched[s][pos[s]]
-                dep = ("F", s - 1, a.mb) if a.kind == "F" and s > 0 else \
-                      ("B", s + 1, a.mb) if a.kind == "B" and s < S - 1 else None
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[s], done[dep] if dep else 0.0)
-                clock[s] = start + (fwd_t[s] if a.kind == "F" else bwd_t[s])
-                done[(a.kind, s, a.mb)] = clock[s]
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("1F1B simulation deadlocked")
-    return max(clock)
-
-
-def pp_analysis(res: dict, fwd, bwd, rest_f, rest_b) -> dict:
-    """Ideal, fluid and simulated speedups of the hardware-aware cut over the uniform cut (see top)."""
-    from whale.cluster import CATALOG
-
-    speeds = {name: CATALOG[name].fp32_flops for name in res["devices"]}
-
-    def stage_speeds(variant):
-        return [speeds[res["devices"][r]] for r in res[variant]["stage_ranks"]]
-
-    sp_u, sp_a = stage_speeds("uniform"), stage_speeds("aware")
-    t_uni = bottleneck(res["uniform"]["counts"], fwd, bwd, rest_f, rest_b, sp_u)
-    best = best_cut(fwd, bwd, rest_f, rest_b, sp_a)
-    t_best = bottleneck(best, fwd, bwd, rest_f, rest_b, sp_a)
-    t_aware = bottleneck(res["aware"]["counts"], fwd, bwd, rest_f, rest_b, sp_a)
-    t_fluid = (sum(fwd) + sum(bwd) + rest_f + rest_b) / sum(sp_a)
-    m = res["num_micro_batch"]
-
-    def sim(counts, sp):
-        work = stage_work(counts, fwd, bwd, rest_f, rest_b)
-        return simulate_1f1b([f / v for (f, _), v in zip(work, sp, strict=True)],
-                             [b / v for (_, b), v in zip(work, sp, strict=True)], m)
-
-    sim_u, sim_best, sim_a = sim(res["uniform"]["counts"], sp_u), sim(best, sp_a), sim(res["aware"]["counts"], sp_a)
-    measured = res["uniform"]["step_s"] / res["aware"]["step_s"]
-    return {"best_counts": best, "uniform_bottleneck": t_uni, "best_bottleneck": t_best,
-            "aware_bottleneck": t_aware, "fluid_bottleneck": t_fluid,
-            "ideal_speedup": t_uni / t_best, "fluid_speedup": t_uni / t_fluid,
-            "aware_cut_speedup": t_uni / t_aware, "bound_speedup": sim_u / sim_best,
-            "sim_aware_speedup": sim_u / sim_a, "measured_speedup": measured,
-            "fraction_of_ideal": measured / (t_uni / t_best), "fraction_of_bound": measured / (sim_u / sim_best)}
-
-
-def memory_scale_for(prof, devices, batch: int, slack: float) -> float:
-    """``memory_scale`` at which the whole cluster holds the job's static bytes on every device plus the
-    activations of ``(1 + slack) x batch`` samples."""
-    cap = sum(d.memory_bytes for d in devices)
-    return (len(devices) * prof.static_bytes + (1 + slack) * batch * prof.activation_bytes) / cap
-
-
-def mem_analysis(res: dict, prof) -> dict:
-    """Bytes each device would need under FLOPS-proportional shares and under the plan's shares."""
-    from whale.cluster import CATALOG
-    from whale.plan.balance import proportional_shares
-
-    devs = [CATALOG[n] for n in res["devices"]]
-    caps = [d.memory_bytes * res["memory_scale"] for d in devs]
-    flops_rows = proportional_shares(res["batch"], [d.fp32_flops for d in devs])
-
-    def need(rows):
-        return [prof.static_bytes + r * prof.activation_bytes for r in rows]
-
-    out = {"capacity_bytes": caps, "flops_rows": flops_rows, "flops_need_bytes": need(flops_rows),
-           "flops_overflow": any(n > c for n, c in zip(need(flops_rows), caps, strict=True)),
-           "static_bytes": prof.static_bytes, "activation_bytes_per_sample": prof.activation_bytes,
-           "plan_rows": None, "plan_need_bytes": None, "plan_fits": False}
-    if "aware" in res:
-        rows = res["aware"]["rows"]
-        out.update(plan_rows=rows, plan_need_bytes=need(rows),
-                   plan_fits=all(n <= c for n, c in zip(need(rows), caps, strict=True)))
-    return out
-
-
 # --- launching -----------------------------------------------------------------------------------------------
 def launch(fn, world: int, cfg: dict, timeout: float = 900.0):
     """Run ``fn(rank, world, cfg)`` on ``world`` fresh gloo ranks; rank 0's return value."""
@@ -526,93 +360,6 @@ def run(p: dict, log=print) -> dict:
         and result["memory_plan_fits"],
     }
     return result
-
-
-def report(res: dict) -> str:
-    """The printed table (every line block says EMULATED)."""
-    lines = ["", "=" * 100, BANNER, "=" * 100, "",
-             "Data parallel (EMULATED): throughput in samples/s; ideal = sum of each device's standalone throughput",
-             f"{'case':<6} {'devices':<34} {'equal':>8} {'aware':>8} {'ideal':>8} {'aware/ideal':>11} "
-             f"{'speedup':>8} {'ideal sp.':>9} {'sp./ideal':>9}  rows equal -> aware"]
-    for k, r in res["dp"].items():
-        devs = ",".join(n.split("-")[0] for n in r["devices"])
-        lines.append(f"{k:<6} {devs:<34} {r['equal']['throughput']:>8.1f} {r['aware']['throughput']:>8.1f} "
-                     f"{r['ideal_throughput']:>8.1f} {r['ratio_to_ideal']:>11.3f} {r['speedup_over_equal']:>8.3f} "
-                     f"{r['ideal_speedup']:>9.3f} {r['fraction_of_ideal_speedup']:>9.3f}  "
-                     f"{r['equal']['rows']} -> {r['aware']['rows']}")
-    lines.append("emulation check: standalone speed ratio fast/slow device measured "
-                 + ", ".join(f"{k} {r['speed_ratio_measured']:.3f}" for k, r in res["dp"].items())
-                 + f" vs declared {next(iter(res['dp'].values()))['speed_ratio_declared']:.3f}")
-    lines += ["", "Pipelines (EMULATED): 1F1B; speedup = uniform step time / hardware-aware step time",
-              f"{'case':<5} {'stage devices':<22} {'uniform cut':<14} {'aware cut':<14} {'best cut':<14} "
-              f"{'measured':>8} {'ideal':>7} {'fluid':>7} {'1F1B bound':>10} {'meas/ideal':>10} {'meas/bound':>10}"]
-    for k, r in res["pp"].items():
-        a = r["analysis"]
-        devs = ",".join(r["devices"][i].split("-")[0] for i in r["aware"]["stage_ranks"])
-        lines.append(f"{k:<5} {devs:<22} {str(r['uniform']['counts']):<14} {str(r['aware']['counts']):<14} "
-                     f"{str(a['best_counts']):<14} {a['measured_speedup']:>8.3f} {a['ideal_speedup']:>7.3f} "
-                     f"{a['fluid_speedup']:>7.3f} {a['bound_speedup']:>10.3f} {a['fraction_of_ideal']:>10.3f} "
-                     f"{a['fraction_of_bound']:>10.3f}")
-    m, ma = res["memory"], res["memory"]["analysis"]
-    gb = 1e9
-    lines += ["", f"Memory-bound data parallel (EMULATED, memory x {m['memory_scale']:.3g}): "
-              f"{' + '.join(m['devices'])}, batch {m['batch']}",
-              f"  capacity (GB, scaled):        {[round(c / gb, 4) for c in ma['capacity_bytes']]}",
-              f"  FLOPS-proportional rows {ma['flops_rows']} need {[round(c / gb, 4) for c in ma['flops_need_bytes']]}"
-              f" GB -> {'OVERFLOWS' if ma['flops_overflow'] else 'fits'}"]
-    if "error" in m:
-        lines.append(f"  hardware-aware plan FAILED: {m['error']}")
-    else:
-        lines.append(
-            f"  hardware-aware plan rows {ma['plan_rows']} need {[round(c / gb, 4) for c in ma['plan_need_bytes']]}"
-            f" GB -> {'fits' if ma['plan_fits'] else 'OVERFLOWS'}; ran at {m['aware']['throughput']:.1f} samples/s "
-            f"(FLOPS shares, memory not enforced by emulation: {m['flops_shares']['throughput']:.1f})")
-    lines += ["", "Summary (EMULATED):"]
-    for key in ("dp_ratio_to_ideal", "dp_speedup_over_equal", "dp_ideal_speedup", "dp_fraction_of_ideal_speedup",
-                "pp_speedup_over_uniform", "pp_ideal_speedup", "pp_bound_speedup", "pp_fraction_of_ideal",
-                "pp_fraction_of_bound"):
-        v = res[key]
-        text = ", ".join(f"{k} {x:.3f}" for k, x in v.items()) if isinstance(v, dict) else f"{v:.3f}"
-        lines.append(f"  {key:<30} {text}")
-    for goal, ok in res["goals"].items():
-        lines.append(f"  goal {goal:<62} {'met' if ok else 'NOT MET'}")
-    lines.append(f"  wall time {res['wall_s']:.0f} s on {res['cores']} cores")
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: str) -> None:
-    """Bar charts: DP throughput (equal / aware / ideal) and PP speedups (measured / ideal / bound)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    keys = list(res["dp"])
-    w = 0.25
-    for i, (name, label) in enumerate((("equal", "equal shares"), ("aware", "hardware-aware"), ("ideal", "ideal"))):
-        vals = [res["dp"][k]["ideal_throughput"] if name == "ideal" else res["dp"][k][name]["throughput"]
-                for k in keys]
-        ax1.bar([j + (i - 1) * w for j in range(len(keys))], vals, w, label=label)
-    ax1.set_xticks(range(len(keys)), [f"{k}: " + ",".join(n.split("-")[0] for n in res["dp"][k]["devices"])
-                                      for k in keys], fontsize=8)
-    ax1.set_ylabel("samples/s (EMULATED)")
-    ax1.set_title("Data parallel, EMULATED V100/P100")
-    ax1.legend(loc="lower center", fontsize=8)
-    keys = list(res["pp"])
-    for i, (name, label) in enumerate((("measured_speedup", "measured"), ("ideal_speedup", "ideal (best cut)"),
-                                       ("bound_speedup", "1F1B bound"))):
-        ax2.bar([j + (i - 1) * w for j in range(len(keys))], [res["pp"][k]["analysis"][name] for k in keys], w,
-                label=label)
-    ax2.axhline(1.0, color="gray", lw=0.8)
-    ax2.set_xticks(range(len(keys)), [f"{k}: {res['pp'][k]['stages']} stages" for k in keys])
-    ax2.set_ylabel("speedup over uniform cuts")
-    ax2.set_title("Pipeline, EMULATED V100/P100")
-    ax2.legend(loc="lower center", fontsize=8)
-    fig.suptitle("EMULATED heterogeneous cluster (CPU ranks imitate GPU speed ratios) - not real GPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

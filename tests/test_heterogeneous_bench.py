@@ -42,11 +42,13 @@ def test_hardware_aware_shares_beat_equal_shares():
 
 
 def test_pipeline_analysis_is_exact_on_a_known_case():
+    from benchmarks import _hetero_model as analysis
+
     bench = _bench()
     fwd, bwd = [1.0] * 6, [2.0] * 6
     # speeds 2:1 -> the best contiguous cut gives the fast stage 4 layers, the slow one 2
-    assert bench.best_cut(fwd, bwd, 0.0, 0.0, [2.0, 1.0]) == [4, 2]
-    assert bench.bottleneck([3, 3], fwd, bwd, 0.0, 0.0, [2.0, 1.0]) == 9.0
+    assert analysis.best_cut(fwd, bwd, 0.0, 0.0, [2.0, 1.0]) == [4, 2]
+    assert analysis.bottleneck([3, 3], fwd, bwd, 0.0, 0.0, [2.0, 1.0]) == 9.0
     # 1F1B on equal stages: (m + S - 1) x (f + b)
-    assert bench.simulate_1f1b([1.0, 1.0], [2.0, 2.0], 4) == (4 + 2 - 1) * 3.0
+    assert analysis.simulate_1f1b([1.0, 1.0], [2.0, 2.0], 4) == (4 + 2 - 1) * 3.0
     assert abs(bench.ideal_dp_speedup([15.7e12, 10.6e12]) - 1.2406) < 1e-3
