@@ -176,6 +176,7 @@ def default_units(model: nn.Module) -> list[str]:
     containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
     def walk(mod: nn.Module, prefix: str, in_container: bool) -> list[str]:
+        """Unit names under ``mod`` (recursive walk)."""
         out = []
         for name, child in mod.named_children():
             fqn = f"{prefix}{name}"
@@ -237,6 +238,7 @@ def _make_inputs(inputs: Callable[[int], Any] | Sequence[InputSpec], batch_size:
         args = tuple(torch.zeros((batch_size, *s.shape), dtype=s.dtype, device=device) for s in inputs)
 
     def convert(x: Any) -> Any:
+        """Real tensor -> fake/meta stand-in."""
         if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor) or x.device.type == "meta":
             return x
         return fake_mode.from_tensor(x) if fake_mode is not None else x.to("meta")
@@ -264,9 +266,11 @@ class _Recorder:
     def hooks(self, stack: ExitStack) -> None:
         for name, mod in self.units.items():
             def pre(_m, _a, name=name) -> None:
+                """Forward pre-hook: enter the unit."""
                 self.stack.append(name)
 
             def post(_m, _a, out, name=name) -> None:
+                """Forward hook: leave the unit."""
                 self.stack.pop()
                 self.out[name] += sum(x.numel() * x.element_size() for x in tree_flatten(out)[0]
                                       if isinstance(x, torch.Tensor))
@@ -341,9 +345,11 @@ def profile_model(model: nn.Module, inputs: Callable[[int], Any] | Sequence[Inpu
     root = type(model).__name__
 
     def flops(counts: dict, key: str) -> int:
+        """FLOPs counted for one unit."""
         return sum(counts.get(key, {}).values())
 
     def unit(name: str, key: str | None) -> UnitProfile:
+        """Profile entry of one unit."""
         if key is None:  # rest = everything minus the units
             f = flops(fwd, "Global") - sum(flops(fwd, f"{root}.{u}") for u in unit_mods)
             a = flops(total, "Global") - sum(flops(total, f"{root}.{u}") for u in unit_mods)

@@ -111,15 +111,18 @@ def _fill(shares: list[int], limits: list[int], quota: list[float], excess: int,
     n = len(shares)
 
     def util(j: int, load: int) -> float:
+        """Utilization of device j at a load."""
         a, b = util_mem[j]
         return max(load / quota[j], a + b * load)
 
     def load_at(j: int, level: float) -> int:  # largest load in [shares_j, limits_j] with util <= level
+        """Largest load of device j with utilization <= level."""
         a, b = util_mem[j]
         x = min(level * quota[j], (level - a) / b if b > 0 else math.inf)
         return max(shares[j], min(limits[j], math.floor(x) if math.isfinite(x) else limits[j]))
 
     def gained(level: float) -> int:
+        """Units placed at a level."""
         return sum(load_at(j, level) - shares[j] for j in range(n))
 
     room = sum(max(0, limits[j] - shares[j]) for j in range(n))

@@ -129,9 +129,11 @@ def partition_layers(layer_flops: Sequence[float], layer_mem: Sequence[float], s
     dP, dM, dA = (X[None, :] - X[:, None] for X in (P, M, A))  # [i, j] = sum over layers i..j-1
 
     def overflow(s: int) -> np.ndarray:
+        """Bytes over capacity for every cut of stage s."""
         return dM + fl[s] * dA - stage_mem_capacity[s]
 
     def time_cost(s: int) -> np.ndarray:
+        """Stage time for every cut of stage s."""
         return np.where(overflow(s) <= 0, dP / stage_flops[s], np.inf)
 
     best, counts = _minmax_cut(n, S, time_cost)

@@ -40,6 +40,7 @@ def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
 
     def make(b: int):
         # clone: a slice keeps the whole batch's storage, which the profiler would count as activations
+        """The sample inputs cut to ``b`` rows."""
         if isinstance(inputs, tuple | list):
             return tuple(t[:b].clone() for t in inputs)
         return inputs[:b].clone()
