@@ -144,46 +144,14 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
     give 0: emulation is relative to the fastest device of the spec, and the ``world / cores`` base would be
     1); so the standalone rank runs at the emulated speed its device has in the multi-rank run.
     """
-    import whale as wh
-    from whale.cluster import NodeSpec
-    from whale.runtime.context import Context
-
     spec = load_spec(cfg["spec"])
     x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
-    engines, plans = {}, {}
-    for name, aware in (("equal", False), ("aware", True)):
-        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0))
-        model = TokenMLP(cfg["dim"], cfg["layers"])
-        engines[name] = wh.parallelize(model, loss_fn, _sgd, ctx=ctx, sample_batch=(x, y))
-        plans[name] = engines[name].plan
+    engines = _dp_engines(spec, cfg, (x, y))
     devices = [d.name for d in spec.devices()]
     leaders = [devices.index(n) for n in dict.fromkeys(devices)]  # first rank of each device type
-    alone = None
+    alone = _standalone_engine(spec, cfg, rank, engines["aware"].slowdown) if rank in leaders else None
     alone_rows = cfg["batch"] // world
-    if rank in leaders:
-        one = dataclasses.replace(spec, nodes=(NodeSpec((spec.devices()[rank],)),))
-        ctx1 = Context(wh.Config(cluster=one, seed=0), 0, 1, torch.device("cpu"), one)
-        alone = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx1)
-        alone.slowdown = engines["aware"].slowdown  # this rank's multi-rank emulation factor (see above)
-    xa, ya = x[:alone_rows].contiguous(), y[:alone_rows].contiguous()
-    names = list(engines)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    alone_times: list[float] = []
-    k = cfg["k"]
-    for i in range(cfg["warmup"] + cfg["rounds"]):
-        for name in names if i % 2 == 0 else names[::-1]:
-            t = _timed_steps(engines[name], (x, y), k)
-            if i >= cfg["warmup"]:
-                times[name].append(t)
-        for leader in leaders:
-            dist.barrier()
-            if rank == leader:
-                start = time.perf_counter()
-                for _ in range(k):
-                    alone.step((xa, ya))
-                if i >= cfg["warmup"]:
-                    alone_times.append((time.perf_counter() - start) / k)
-            dist.barrier()
+    times, alone_times = _dp_rounds(engines, alone, (x, y), alone_rows, leaders, rank, cfg)
     info = _gather({"slowdown": engines["aware"].slowdown, "alone": alone_times})
     if rank != 0:
         return None
@@ -195,11 +163,60 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
         out["standalone"][devices[r]] = {"rank": r, "rows": alone_rows, "step_s": med,
                                          "throughput": alone_rows / med, "slowdown": info[r]["slowdown"],
                                          "times": info[r]["alone"]}
-    for name in engines:
+    for name, engine in engines.items():
         med = statistics.median(times[name])
-        out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": _rows(plans[name], cfg["batch"]),
-                     "times": times[name], "plan": str(plans[name])}
+        out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": _rows(engine.plan, cfg["batch"]),
+                     "times": times[name], "plan": str(engine.plan)}
     return out
+
+
+def _dp_engines(spec, cfg: dict, batch) -> dict:
+    """The equal-shares and the hardware-aware engine of the same model on this rank."""
+    import whale as wh
+
+    engines = {}
+    for name, aware in (("equal", False), ("aware", True)):
+        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0))
+        engines[name] = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx,
+                                       sample_batch=batch)
+    return engines
+
+
+def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float):
+    """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run."""
+    import whale as wh
+    from whale.cluster import NodeSpec
+    from whale.runtime.context import Context
+
+    one = dataclasses.replace(spec, nodes=(NodeSpec((spec.devices()[rank],)),))
+    ctx1 = Context(wh.Config(cluster=one, seed=0), 0, 1, torch.device("cpu"), one)
+    alone = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx1)
+    alone.slowdown = slowdown
+    return alone
+
+
+def _dp_rounds(engines: dict, alone, batch, alone_rows: int, leaders: list[int], rank: int, cfg: dict):
+    """Warm-up then measured rounds: every engine (alternating order) and then each standalone leader in turn
+    while the other ranks wait. Returns per-engine and standalone seconds per step."""
+    xa, ya = batch[0][:alone_rows].contiguous(), batch[1][:alone_rows].contiguous()
+    names, k = list(engines), cfg["k"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    alone_times: list[float] = []
+    for i in range(cfg["warmup"] + cfg["rounds"]):
+        for name in names if i % 2 == 0 else names[::-1]:
+            t = _timed_steps(engines[name], batch, k)
+            if i >= cfg["warmup"]:
+                times[name].append(t)
+        for leader in leaders:
+            dist.barrier()
+            if rank == leader:
+                start = time.perf_counter()
+                for _ in range(k):
+                    alone.step((xa, ya))
+                if i >= cfg["warmup"]:
+                    alone_times.append((time.perf_counter() - start) / k)
+            dist.barrier()
+    return times, alone_times
 
 
 def pp_compare(rank: int, world: int, cfg: dict) -> dict | None:
@@ -291,8 +308,6 @@ def launch(fn, world: int, cfg: dict, timeout: float = 900.0):
 # --- main ----------------------------------------------------------------------------------------------------
 def run(p: dict, log=print) -> dict:
     """All cases with parameters ``p`` (:data:`FULL` or :data:`QUICK`); returns the JSON-ready result."""
-    from whale.cluster import CATALOG
-
     log(BANNER)
     t0 = time.perf_counter()
     common = {"tokens": p["tokens"], "dim": p["dim"], "layers": p["dp_layers"], "warmup": p["dp_warmup"],
@@ -302,19 +317,8 @@ def run(p: dict, log=print) -> dict:
                                     ("dp4", "v100_p100_4.yaml", 4, p["dp4_batch"])):
         log(f"[{time.perf_counter() - t0:5.0f}s] data parallel, {world} ranks ({spec}) ...")
         dp[key] = launch(dp_compare, world, {**common, "spec": spec, "batch": batch})
-    for key in dp:
-        r = dp[key]
-        ideal = sum(r["standalone"][n]["throughput"] for n in r["devices"])
-        r["ideal_throughput"] = ideal
-        r["ratio_to_ideal"] = r["aware"]["throughput"] / ideal
-        r["equal_ratio_to_ideal"] = r["equal"]["throughput"] / ideal
-        r["speedup_over_equal"] = r["equal"]["step_s"] / r["aware"]["step_s"]
-        r["ideal_speedup"] = ideal_dp_speedup([CATALOG[n].fp32_flops for n in r["devices"]])
-        r["fraction_of_ideal_speedup"] = r["speedup_over_equal"] / r["ideal_speedup"]
-        sa = r["standalone"]  # emulation accuracy: measured standalone speed ratio vs the declared one
-        fast, slow = max(sa, key=lambda n: CATALOG[n].fp32_flops), min(sa, key=lambda n: CATALOG[n].fp32_flops)
-        r["speed_ratio_measured"] = sa[fast]["throughput"] / sa[slow]["throughput"]
-        r["speed_ratio_declared"] = CATALOG[fast].fp32_flops / CATALOG[slow].fp32_flops
+    for r in dp.values():
+        _dp_summary(r)
 
     pp = {}
     fwd, bwd, rest_f, rest_b, _ = layer_profile(p["dim"], p["pp_layers"], p["tokens"])
@@ -336,6 +340,28 @@ def run(p: dict, log=print) -> dict:
                devices=[d.name for d in mspec.devices()])
     mem["analysis"] = mem_analysis(mem, prof)
 
+    return _result(p, dp, pp, mem, time.perf_counter() - t0)
+
+
+def _dp_summary(r: dict) -> None:
+    """Add the ideal throughput, ratios and speedups to one data-parallel case's result."""
+    from whale.cluster import CATALOG
+
+    ideal = sum(r["standalone"][n]["throughput"] for n in r["devices"])
+    r["ideal_throughput"] = ideal
+    r["ratio_to_ideal"] = r["aware"]["throughput"] / ideal
+    r["equal_ratio_to_ideal"] = r["equal"]["throughput"] / ideal
+    r["speedup_over_equal"] = r["equal"]["step_s"] / r["aware"]["step_s"]
+    r["ideal_speedup"] = ideal_dp_speedup([CATALOG[n].fp32_flops for n in r["devices"]])
+    r["fraction_of_ideal_speedup"] = r["speedup_over_equal"] / r["ideal_speedup"]
+    sa = r["standalone"]  # emulation accuracy: measured standalone speed ratio vs the declared one
+    fast, slow = max(sa, key=lambda n: CATALOG[n].fp32_flops), min(sa, key=lambda n: CATALOG[n].fp32_flops)
+    r["speed_ratio_measured"] = sa[fast]["throughput"] / sa[slow]["throughput"]
+    r["speed_ratio_declared"] = CATALOG[fast].fp32_flops / CATALOG[slow].fp32_flops
+
+
+def _result(p: dict, dp: dict, pp: dict, mem: dict, wall_s: float) -> dict:
+    """The JSON-ready result with the headline keys and the goals."""
     result = {
         "emulated": True, "note": BANNER, "config": p, "cores": os.cpu_count(),
         "dp_ratio_to_ideal": {k: dp[k]["ratio_to_ideal"] for k in dp},
@@ -349,7 +375,7 @@ def run(p: dict, log=print) -> dict:
         "pp_fraction_of_bound": {k: pp[k]["analysis"]["fraction_of_bound"] for k in pp},
         "memory_flops_shares_overflow": mem["analysis"]["flops_overflow"],
         "memory_plan_fits": mem["analysis"]["plan_fits"],
-        "dp": dp, "pp": pp, "memory": mem, "wall_s": time.perf_counter() - t0,
+        "dp": dp, "pp": pp, "memory": mem, "wall_s": wall_s,
     }
     result["goals"] = {  # DESIGN.md §9 / issue 4, on the EMULATED clusters
         "dp_ratio_to_ideal >= 0.95 (dp2, dp4)": min(result["dp_ratio_to_ideal"].values()) >= 0.95,

@@ -104,15 +104,19 @@ def test_model_with_no_parameters():
         wh.plan_model(nn.ReLU(), world_size=1)
 
 
-def test_untraceable_pipeline_gives_the_fix():
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            with wh.replicate(1):
-                self.a = nn.Linear(2, 2)
-            with wh.replicate(1):
-                self.b = nn.Linear(2, 2)
+class _TwoStages(nn.Module):
+    """Two replicate(1) TaskGraphs ``a`` and ``b``; subclasses give the forward."""
 
+    def __init__(self):
+        super().__init__()
+        with wh.replicate(1):
+            self.a = nn.Linear(2, 2)
+        with wh.replicate(1):
+            self.b = nn.Linear(2, 2)
+
+
+def test_untraceable_pipeline_gives_the_fix():
+    class Branchy(_TwoStages):
         def forward(self, x):
             if x.sum() > 0:
                 return self.b(self.a(x))
@@ -123,14 +127,7 @@ def test_untraceable_pipeline_gives_the_fix():
 
 
 def test_stage_with_no_work_is_reported():
-    class Unused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            with wh.replicate(1):
-                self.a = nn.Linear(2, 2)
-            with wh.replicate(1):
-                self.b = nn.Linear(2, 2)
-
+    class Unused(_TwoStages):
         def forward(self, x):
             return self.a(x)
 

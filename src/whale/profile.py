@@ -257,6 +257,7 @@ class _Recorder:
         self.out = dict.fromkeys([*units, "<rest>"], 0)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor hook: count the bytes autograd keeps for backward."""
         st = t.untyped_storage()
         if st._cdata not in self.seen:
             self.seen.add(st._cdata)
@@ -264,6 +265,7 @@ class _Recorder:
         return t
 
     def hooks(self, stack: ExitStack) -> None:
+        """Install the per-unit forward hooks on ``stack``."""
         for name, mod in self.units.items():
             def pre(_m, _a, name=name) -> None:
                 """Forward pre-hook: enter the unit."""

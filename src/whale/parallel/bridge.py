@@ -51,22 +51,26 @@ def _own_rows(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
 class _BridgeIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rows):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         ctx.group, ctx.rows = group, rows
         return _gather_rows(x, group, rows)
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return _own_rows(grad, ctx.group, ctx.rows).contiguous(), None, None
 
 
 class _BridgeOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rows):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         ctx.group, ctx.rows = group, rows
         return _own_rows(x, group, rows).clone()
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return _gather_rows(grad.contiguous(), ctx.group, ctx.rows), None, None
 
 

@@ -33,6 +33,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, class_start, group, ignore_index):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         x = logits.float()
         c_local = x.shape[-1]
         row_max = all_reduce(x.detach().amax(dim=-1), group, op=dist.ReduceOp.MAX)  # [N]
@@ -52,6 +53,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        """Backward: the adjoint collective (see the module docstring)."""
         softmax, idx, own, valid = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, idx, -own.to(grad.dtype).unsqueeze(-1))

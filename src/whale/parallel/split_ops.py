@@ -162,44 +162,52 @@ def _own_slice(x: torch.Tensor, group, dim: int, sizes: list[int] | None) -> tor
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return grad, None
 
 
 class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, sizes):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         ctx.group, ctx.dim, ctx.sizes = group, dim % x.dim(), sizes
         return all_gather(x, group, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return _own_slice(grad, ctx.group, ctx.dim, ctx.sizes), None, None, None
 
 
 class _ScatterToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, sizes):
+        """Forward of this collective (see the class/module docstring for shapes and bytes)."""
         ctx.group, ctx.dim = group, dim % x.dim()
         ctx.sizes = shard_sizes(x.shape[ctx.dim], group_size(group)) if sizes is None else sizes
         return _own_slice(x, group, ctx.dim, ctx.sizes)
 
     @staticmethod
     def backward(ctx, grad):
+        """Backward: the adjoint collective (see the module docstring)."""
         return all_gather(grad, ctx.group, ctx.dim, ctx.sizes), None, None, None
 
 
