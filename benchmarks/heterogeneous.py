@@ -2,9 +2,12 @@
 
 Everything here runs on CPU ranks that imitate declared GPUs (``emulate: true`` cluster specs): after each
 forward/backward compute segment a rank waits so that it runs at its device's fp32 speed relative to the
-fastest device of the spec, and when ranks outnumber cores every rank is slowed by a further ``world / cores``
-(:func:`whale.runtime.emulation.emulation_slowdown`). Only ratios measured side by side mean anything; every
-number printed or written is EMULATED, not a measurement of real GPUs.
+fastest device of the spec, and every rank is slowed by a further ``max(1, world / cores)``
+(:func:`whale.runtime.emulation.emulation_slowdown`). The benchmark emulates with ``cores`` = half the host's
+CPUs (``emulation_cores``, via ``WHALE_EMULATION_CORES``): the emulated devices then keep the host's cores at
+most about half busy, so they rarely queue for a core, which would make a device's speed depend on what its
+neighbours do (on 2 cores, with ``cores`` = 2, 4 ranks load the host to ~85% and collisions stretch steps at
+random). Only ratios measured side by side mean anything; every number printed or written is EMULATED.
 
 Cases, each in one launch of gloo ranks (``spawn``, one thread per rank), steps interleaved round by round
 (alternating order) so that machine noise hits the compared variants alike; medians over the measured rounds
@@ -12,14 +15,12 @@ after warm-up (a data-parallel round times ``k`` back-to-back steps between barr
 
 1. Data parallel on {V100, P100} (2 ranks, global batch 62) and {2 V100, 2 P100} (4 ranks, 124): equal
    shares (``hardware_aware=False``) vs hardware-aware shares (37:25 per V100:P100 pair, 15.7:10.6 almost
-   exactly), and the ideal: the sum of each device's standalone throughput. Standalone throughput of a device
-   type is measured in the same launch and rounds: the first rank of that type also holds a world-of-one engine
-   (1-device emulated spec, a Context of world size 1: no communication) that trains the per-rank batch
-   ``batch / world`` alone while every other rank waits at a barrier. Its emulation slowdown is set to the one
-   the rank has in the multi-rank run (``engine.slowdown``, which includes the ``world / cores`` base factor):
-   a 1-device spec alone would give 0, since emulation is relative to the fastest device of the spec. Ideal
-   speedup of hardware-aware over equal shares: sum(X_i) / (N x min X_i) from the datasheet speeds (1.241).
-   The printout also checks the emulation: the measured standalone speed ratio V100/P100 vs the declared 1.481.
+   exactly), and the ideal: the sum of each device's standalone throughput, measured in the same rounds by a
+   world-of-one engine on every rank (see :mod:`benchmarks._hetero_dp`): on the rows the device trains in the
+   job, all devices at once (``dp_ratio_to_ideal``); on ``batch / world`` rows (``..._equal_rows``); and one
+   device at a time on an otherwise idle host (``..._idle_host``). Ideal speedup of hardware-aware over equal
+   shares: sum(X_i) / (N x min X_i) from the datasheet speeds (1.241). The printout also checks the emulation:
+   the measured standalone speed ratio V100/P100 vs the declared 1.481.
 2. Pipelines of 2 stages {V100, P100} and 4 stages {V100, V100, P100, P100} over L equal blocks: uniform
    (annotated) cuts vs hardware-aware cuts. From the per-layer profile (fake tensors) and the speeds:
    ``pp_ideal_speedup`` = slowest-stage time of the uniform cut / slowest-stage time of the best contiguous cut
@@ -32,7 +33,7 @@ after warm-up (a data-parallel round times ``k`` back-to-back steps between barr
    FLOPS share (40 %), so FLOPS-proportional shares overflow it and the balancer (Algorithm 1) moves samples
    to the V100. Shows both share vectors, their memory need per device, and that the plan runs.
 
-    python benchmarks/heterogeneous.py --out benchmarks/results/heterogeneous.json   # ~3 min on 2 cores
+    python benchmarks/heterogeneous.py --out benchmarks/results/heterogeneous.json   # ~5 min on 2 cores
     python benchmarks/heterogeneous.py --quick --out /tmp/het.json                   # ~30 s, smoke test
 
 Writes JSON (``--out``) and a PNG with the same stem next to it.
@@ -41,18 +42,24 @@ Writes JSON (``--out``) and a PNG with the same stem next to it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+from benchmarks._hetero_common import (  # noqa: E402
+    emulation_setup,
+    gather,
+    interleave,
+    load_spec,
+    rows_per_rank,
+)
+from benchmarks._hetero_dp import dp_compare, dp_summary, ideal_dp_speedup  # noqa: E402, F401 (re-exported)
 from benchmarks._hetero_model import (  # noqa: E402
     TokenMLP,
     _sgd,
@@ -66,163 +73,27 @@ from benchmarks._hetero_model import (  # noqa: E402
 from benchmarks._hetero_report import BANNER, plot, report  # noqa: E402
 from benchmarks._launch import launch as shared_launch  # noqa: E402
 
-CLUSTERS = os.path.join(HERE, "clusters")
-FULL = {"dim": 64, "tokens": 256, "dp_layers": 4, "dp_batch": 62, "dp4_batch": 124, "dp_warmup": 2,
-        "dp_rounds": 15, "dp_k": 3, "pp_layers": 20, "pp_micro": 16, "pp_micro_rows": 4, "pp_warmup": 1,
-        "pp_rounds": 8, "mem_rounds": 4, "mem_slack": 0.05}
-"""Full run: compute-heavy token MLP (132k parameters, ~1.7 GFLOP per sample per step)."""
-QUICK = {"dim": 32, "tokens": 64, "dp_layers": 2, "dp_batch": 62, "dp4_batch": 124, "dp_warmup": 1,
-         "dp_rounds": 3, "dp_k": 2, "pp_layers": 12, "pp_micro": 8, "pp_micro_rows": 2, "pp_warmup": 1,
-         "pp_rounds": 2, "mem_rounds": 2, "mem_slack": 0.05}
+FULL = {"dim": 64, "tokens": 256, "dp_dim": 256, "dp_tokens": 16, "dp_layers": 4, "dp_batch": 62,
+        "dp4_batch": 124, "dp_warmup": 2, "dp_rounds": 12, "dp_k": 3, "window_s": 1.2, "pp_layers": 20,
+        "pp_micro": 16, "pp_micro_rows": 4, "pp_warmup": 1, "pp_rounds": 8, "mem_rounds": 4, "mem_slack": 0.05,
+        "emulation_cores": max(1, (os.cpu_count() or 2) // 2)}
+"""Full run. Data parallel: 4 pre-LN MLP blocks, d = 256, 16 tokens (2.1M parameters, 0.2 GFLOP per sample per
+step; on this host its time per sample moves little between 25 and 37 rows, unlike d = 64 with 256 tokens, whose
+activations straddle the 2 MiB L2). Pipelines and the memory case: d = 64, 256 tokens (33k parameters and
+50 MFLOP per sample per step per block)."""
+QUICK = {"dim": 32, "tokens": 64, "dp_dim": 64, "dp_tokens": 16, "dp_layers": 2, "dp_batch": 62,
+         "dp4_batch": 124, "dp_warmup": 1, "dp_rounds": 3, "dp_k": 2, "window_s": 0.3, "pp_layers": 12,
+         "pp_micro": 8, "pp_micro_rows": 2, "pp_warmup": 1, "pp_rounds": 2, "mem_rounds": 2, "mem_slack": 0.05,
+         "emulation_cores": max(1, (os.cpu_count() or 2) // 2)}
 """Quick run: a smoke test of every case (numbers are dominated by per-step overhead)."""
 
 
-# --- helpers -------------------------------------------------------------------------------------------------
-def load_spec(name_or_path: str, **changes):
-    """A cluster spec from ``benchmarks/clusters/<name>`` (or a path), with dataclass fields replaced."""
-    from whale.cluster import ClusterSpec
-
-    path = name_or_path if os.path.exists(name_or_path) else os.path.join(CLUSTERS, name_or_path)
-    spec = ClusterSpec.from_yaml(path)
-    return dataclasses.replace(spec, **changes) if changes else spec
-
-
-def _timed_steps(engine, batch, k: int = 1) -> float:
-    """Wall seconds per step of ``k`` back-to-back steps, between barriers (every rank has finished the
-    previous work before and this work after)."""
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    start = time.perf_counter()
-    for _ in range(k):
-        engine.step(batch)
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    return (time.perf_counter() - start) / k
-
-
-def _interleave(engines: dict, batch, warmup: int, rounds: int, k: int = 1) -> dict:
-    """``k`` steps of every engine round by round (order reversed every other round); per engine the measured
-    seconds per step of each round after ``warmup`` rounds."""
-    names = list(engines)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(warmup + rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
-            t = _timed_steps(engines[name], batch, k)
-            if i >= warmup:
-                times[name].append(t)
-    return times
-
-
-def _gather(obj) -> list:
-    if dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _rows(plan, batch: int) -> list[int]:
-    """Samples per rank in one step."""
-    rows = plan.micro_batch_rows(batch)
-    return [sum(b - a for a, b in rows[plan.coords(r)[1]]) for r in range(plan.world_size)]
-
-
-def ideal_dp_speedup(speeds: list[float]) -> float:
-    """sum(X_i) / (N x min X_i): throughput of speed-proportional shares over equal shares."""
-    return sum(speeds) / (len(speeds) * min(speeds))
-
-
-# --- rank workers (module level: pickled by reference) -------------------------------------------------------
-def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
-    """Equal vs hardware-aware shares on ``cfg["spec"]``, and each device type's standalone throughput, all in
-    one launch, round by round. Rank 0 returns the result.
-
-    Standalone: the first rank of each device type also holds a world-of-one engine (a 1-device emulated spec
-    of its type, its own :class:`whale.runtime.context.Context` of world size 1: no process group is used) and
-    trains the job's per-rank batch ``batch // world`` alone while every other rank waits at a barrier. Its
-    emulation slowdown is set to the one the rank has in the multi-rank engines (a 1-device spec alone would
-    give 0: emulation is relative to the fastest device of the spec, and the ``world / cores`` base would be
-    1); so the standalone rank runs at the emulated speed its device has in the multi-rank run.
-    """
-    spec = load_spec(cfg["spec"])
-    x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
-    engines = _dp_engines(spec, cfg, (x, y))
-    devices = [d.name for d in spec.devices()]
-    leaders = [devices.index(n) for n in dict.fromkeys(devices)]  # first rank of each device type
-    alone = _standalone_engine(spec, cfg, rank, engines["aware"].slowdown) if rank in leaders else None
-    alone_rows = cfg["batch"] // world
-    times, alone_times = _dp_rounds(engines, alone, (x, y), alone_rows, leaders, rank, cfg)
-    info = _gather({"slowdown": engines["aware"].slowdown, "alone": alone_times})
-    if rank != 0:
-        return None
-    out = {"spec": cfg["spec"], "world": world, "batch": cfg["batch"], "devices": devices,
-           "slowdown": [d["slowdown"] for d in info], "speeds_tflops": [d.fp32_flops / 1e12 for d in spec.devices()]}
-    out["standalone"] = {}
-    for r in leaders:
-        med = statistics.median(info[r]["alone"])
-        out["standalone"][devices[r]] = {"rank": r, "rows": alone_rows, "step_s": med,
-                                         "throughput": alone_rows / med, "slowdown": info[r]["slowdown"],
-                                         "times": info[r]["alone"]}
-    for name, engine in engines.items():
-        med = statistics.median(times[name])
-        out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": _rows(engine.plan, cfg["batch"]),
-                     "times": times[name], "plan": str(engine.plan)}
-    return out
-
-
-def _dp_engines(spec, cfg: dict, batch) -> dict:
-    """The equal-shares and the hardware-aware engine of the same model on this rank."""
-    import whale as wh
-
-    engines = {}
-    for name, aware in (("equal", False), ("aware", True)):
-        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0))
-        engines[name] = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx,
-                                       sample_batch=batch)
-    return engines
-
-
-def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float):
-    """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run."""
-    import whale as wh
-    from whale.cluster import NodeSpec
-    from whale.runtime.context import Context
-
-    one = dataclasses.replace(spec, nodes=(NodeSpec((spec.devices()[rank],)),))
-    ctx1 = Context(wh.Config(cluster=one, seed=0), 0, 1, torch.device("cpu"), one)
-    alone = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx1)
-    alone.slowdown = slowdown
-    return alone
-
-
-def _dp_rounds(engines: dict, alone, batch, alone_rows: int, leaders: list[int], rank: int, cfg: dict):
-    """Warm-up then measured rounds: every engine (alternating order) and then each standalone leader in turn
-    while the other ranks wait. Returns per-engine and standalone seconds per step."""
-    xa, ya = batch[0][:alone_rows].contiguous(), batch[1][:alone_rows].contiguous()
-    names, k = list(engines), cfg["k"]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    alone_times: list[float] = []
-    for i in range(cfg["warmup"] + cfg["rounds"]):
-        for name in names if i % 2 == 0 else names[::-1]:
-            t = _timed_steps(engines[name], batch, k)
-            if i >= cfg["warmup"]:
-                times[name].append(t)
-        for leader in leaders:
-            dist.barrier()
-            if rank == leader:
-                start = time.perf_counter()
-                for _ in range(k):
-                    alone.step((xa, ya))
-                if i >= cfg["warmup"]:
-                    alone_times.append((time.perf_counter() - start) / k)
-            dist.barrier()
-    return times, alone_times
-
-
+# --- cases (module level: pickled by reference) --------------------------------------------------------------
 def pp_compare(rank: int, world: int, cfg: dict) -> dict | None:
     """Uniform (annotated) vs hardware-aware pipeline cuts on ``cfg["spec"]`` with ``world`` stages."""
     import whale as wh
 
+    emulation_setup(cfg, rank)
     spec = load_spec(cfg["spec"])
     m = cfg["micro"]
     batch = m * cfg["micro_rows"]
@@ -244,7 +115,7 @@ def pp_compare(rank: int, world: int, cfg: dict) -> dict | None:
             if i >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - start)
                 busy[name].append(metrics["busy_time"])
-    stage_busy = _gather({k: (engines[k].stage, statistics.median(v)) for k, v in busy.items()})
+    stage_busy = gather({k: (engines[k].stage, statistics.median(v)) for k, v in busy.items()})
     if rank != 0:
         return None
     out = {"spec": cfg["spec"], "stages": world, "layers": cfg["layers"], "num_micro_batch": m, "batch": batch,
@@ -270,6 +141,7 @@ def mem_compare(rank: int, world: int, cfg: dict) -> dict | None:
     import whale as wh
     from whale.plan.plan import PlanError
 
+    emulation_setup(cfg, rank)
     spec = load_spec(cfg["spec"], memory_scale=cfg["memory_scale"])
     x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
     speeds = [d.fp32_flops for d in spec.devices()]
@@ -282,14 +154,14 @@ def mem_compare(rank: int, world: int, cfg: dict) -> dict | None:
                                            sample_batch=(x, y))
         except PlanError as e:
             return {"error": f"{name}: {type(e).__name__}: {e}"} if rank == 0 else None
-    times = _interleave(engines, (x, y), 1, cfg["rounds"], cfg["k"])
+    times = interleave(engines, (x, y), 1, cfg["rounds"], cfg["k"])
     if rank != 0:
         return None
     out = {"spec": cfg["spec"], "memory_scale": cfg["memory_scale"], "batch": cfg["batch"],
            "devices": [d.name for d in spec.devices()]}
     for name, eng in engines.items():
         med = statistics.median(times[name])
-        out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": _rows(eng.plan, cfg["batch"]),
+        out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": rows_per_rank(eng.plan, cfg["batch"]),
                      "plan": str(eng.plan)}
     return out
 
@@ -311,14 +183,16 @@ def run(p: dict, log=print) -> dict:
     log(BANNER)
     t0 = time.perf_counter()
     common = {"tokens": p["tokens"], "dim": p["dim"], "layers": p["dp_layers"], "warmup": p["dp_warmup"],
-              "rounds": p["dp_rounds"], "k": p["dp_k"]}
+              "rounds": p["dp_rounds"], "k": p["dp_k"], "window_s": p["window_s"],
+              "emulation_cores": p["emulation_cores"], "pin": True}
     dp = {}
     for key, spec, world, batch in (("dp2", "v100_p100_2.yaml", 2, p["dp_batch"]),
                                     ("dp4", "v100_p100_4.yaml", 4, p["dp4_batch"])):
         log(f"[{time.perf_counter() - t0:5.0f}s] data parallel, {world} ranks ({spec}) ...")
-        dp[key] = launch(dp_compare, world, {**common, "spec": spec, "batch": batch})
+        dp[key] = launch(dp_compare, world, {**common, "spec": spec, "batch": batch, "dim": p["dp_dim"],
+                                             "tokens": p["dp_tokens"]})
     for r in dp.values():
-        _dp_summary(r)
+        dp_summary(r)
 
     pp = {}
     fwd, bwd, rest_f, rest_b, _ = layer_profile(p["dim"], p["pp_layers"], p["tokens"])
@@ -326,7 +200,7 @@ def run(p: dict, log=print) -> dict:
         log(f"[{time.perf_counter() - t0:5.0f}s] pipeline, {world} stages ({spec}) ...")
         cfg = {"spec": spec, "tokens": p["tokens"], "dim": p["dim"], "layers": p["pp_layers"],
                "micro": p["pp_micro"], "micro_rows": p["pp_micro_rows"], "warmup": p["pp_warmup"],
-               "rounds": p["pp_rounds"]}
+               "rounds": p["pp_rounds"], "emulation_cores": p["emulation_cores"], "pin": True}
         pp[key] = launch(pp_compare, world, cfg)
         pp[key]["analysis"] = pp_analysis(pp[key], fwd, bwd, rest_f, rest_b)
 
@@ -343,28 +217,13 @@ def run(p: dict, log=print) -> dict:
     return _result(p, dp, pp, mem, time.perf_counter() - t0)
 
 
-def _dp_summary(r: dict) -> None:
-    """Add the ideal throughput, ratios and speedups to one data-parallel case's result."""
-    from whale.cluster import CATALOG
-
-    ideal = sum(r["standalone"][n]["throughput"] for n in r["devices"])
-    r["ideal_throughput"] = ideal
-    r["ratio_to_ideal"] = r["aware"]["throughput"] / ideal
-    r["equal_ratio_to_ideal"] = r["equal"]["throughput"] / ideal
-    r["speedup_over_equal"] = r["equal"]["step_s"] / r["aware"]["step_s"]
-    r["ideal_speedup"] = ideal_dp_speedup([CATALOG[n].fp32_flops for n in r["devices"]])
-    r["fraction_of_ideal_speedup"] = r["speedup_over_equal"] / r["ideal_speedup"]
-    sa = r["standalone"]  # emulation accuracy: measured standalone speed ratio vs the declared one
-    fast, slow = max(sa, key=lambda n: CATALOG[n].fp32_flops), min(sa, key=lambda n: CATALOG[n].fp32_flops)
-    r["speed_ratio_measured"] = sa[fast]["throughput"] / sa[slow]["throughput"]
-    r["speed_ratio_declared"] = CATALOG[fast].fp32_flops / CATALOG[slow].fp32_flops
-
-
 def _result(p: dict, dp: dict, pp: dict, mem: dict, wall_s: float) -> dict:
     """The JSON-ready result with the headline keys and the goals."""
     result = {
         "emulated": True, "note": BANNER, "config": p, "cores": os.cpu_count(),
         "dp_ratio_to_ideal": {k: dp[k]["ratio_to_ideal"] for k in dp},
+        "dp_ratio_to_ideal_equal_rows": {k: dp[k]["ratio_to_ideal_equal_rows"] for k in dp},
+        "dp_ratio_to_ideal_idle_host": {k: dp[k]["ratio_to_ideal_idle_host"] for k in dp},
         "dp_speedup_over_equal": {k: dp[k]["speedup_over_equal"] for k in dp},
         "dp_ideal_speedup": {k: dp[k]["ideal_speedup"] for k in dp},
         "dp_fraction_of_ideal_speedup": {k: dp[k]["fraction_of_ideal_speedup"] for k in dp},

@@ -10,7 +10,7 @@ from tests.models import TinyLM
 from whale.cluster import ClusterSpec
 from whale.plan.balance import InfeasiblePlanError
 from whale.plan.hardware import MemoryModel, apply_hardware
-from whale.runtime.emulation import emulation_slowdown
+from whale.runtime.emulation import EmulatedDevice, emulation_slowdown
 
 
 def _spec(*names, emulate=False, memory_scale=1.0, per_node=None):
@@ -96,6 +96,46 @@ def test_emulation_slowdown_keeps_device_ratios_and_cores_free():
     assert (1 + slow) / (1 + fast) == pytest.approx(15.7 / 10.6)
     assert emulation_slowdown(spec, 0, 2, cores=2) == 0.0
     assert emulation_slowdown(_spec("V100-32GB", "P100-16GB"), 1, 2) == 0.0  # not emulating
+
+
+class _FakeClock:
+    """Wall clock for EmulatedDevice: ``now`` seconds; sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_emulated_device_stretches_segments_by_their_typical_cost():
+    clock = _FakeClock()
+    dev = EmulatedDevice(2.0, window=3, clock=clock, sleep=clock.sleep)
+    ends = []
+    for cpu in (1.0, 1.3, 0.7, 1.0):  # each segment ran on the core for exactly its CPU time
+        start = clock.now
+        clock.now += cpu
+        dev.wait("F", start, cpu)
+        ends.append(clock.now - start)
+    # emulated duration = cpu + 2 x median of this key's last 3 CPU times: the wait does not copy the jitter
+    assert ends == pytest.approx([1.0 + 2 * 1.0, 1.3 + 2 * 1.15, 0.7 + 2 * 1.0, 1.0 + 2 * 1.0])
+    start = clock.now  # another key keeps its own history
+    clock.now += 0.1
+    assert dev.wait(("B", (4, 8)), start, 0.1) == pytest.approx(0.2)
+
+
+def test_emulated_device_absorbs_time_spent_waiting_for_a_core():
+    clock = _FakeClock()
+    dev = EmulatedDevice(3.0, clock=clock, sleep=clock.sleep)
+    clock.now = 1.5  # 0.5 s of CPU took 1.5 s of wall time (another rank held the core)
+    assert dev.wait("F", 0.0, 0.5) == pytest.approx(0.5)  # ends at 0.5 x (1 + 3) = 2.0 all the same
+    clock.now = 10.0  # later than the emulated end: no wait, never negative
+    assert dev.wait("F", 5.0, 0.5) == 0.0
+    with pytest.raises(ValueError, match="slowdown >= 0"):
+        EmulatedDevice(-1.0)
 
 
 def test_whale_plan_command_prints_the_hardware_aware_plan(capsys):

@@ -15,7 +15,7 @@ from tests.distributed import run_ranks
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 CFG = {"spec": "test_slow3x.yaml", "batch": 40, "tokens": 256, "dim": 64, "layers": 2, "warmup": 1, "rounds": 3,
-       "k": 2}
+       "k": 2, "window_s": 1.0}
 
 
 def _bench():
@@ -36,8 +36,13 @@ def test_hardware_aware_shares_beat_equal_shares():
     assert result["aware"]["rows"] == [30, 10]
     speedup = result["equal"]["step_s"] / result["aware"]["step_s"]
     assert speedup > 1.25, f"hardware-aware shares should be ~2x faster than equal shares, got {speedup:.2f}x"
-    for dev in ("V100-32GB", "SLOW3X"):
-        assert result["standalone"][dev]["throughput"] > 0
+    assert [s["device"] for s in result["standalone"]] == ["V100-32GB", "SLOW3X"]
+    for s in result["standalone"]:
+        for mode in ("job_rows", "equal_rows", "idle_host"):
+            assert s[mode]["throughput"] > 0 and len(s[mode]["times"]) == CFG["rounds"]
+    assert [s["job_rows"]["rows"] for s in result["standalone"]] == [30, 10]
+    fast, slow = (s["equal_rows"]["throughput"] for s in result["standalone"])
+    assert fast > 1.5 * slow, f"the emulated 3x slower device ran standalone at {fast / slow:.2f}x"
     assert "EMULATED" in result["aware"]["plan"]
 
 

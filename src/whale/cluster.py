@@ -384,7 +384,8 @@ def detect_cluster(world_size: int) -> ClusterSpec:
 
 def emulation_delays(spec: ClusterSpec) -> list[float]:
     """Per-rank slowdown factor s_max / s_i - 1 by fp32 peak (DESIGN.md §6): after a compute segment of t
-    seconds, rank i waits ``t * factor`` so it runs at its declared speed relative to the fastest device.
+    seconds, rank i waits about ``t * factor`` (see :class:`whale.runtime.emulation.EmulatedDevice`) so it runs
+    at its declared speed relative to the fastest device.
     The fastest rank gets 0.0. Pure; applies whether or not ``spec.emulate`` is set."""
     speeds = [d.fp32_flops for d in spec.devices()]
     top = max(speeds)

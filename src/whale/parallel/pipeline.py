@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,8 +35,8 @@ class StageRun:
         metric_fns: eval only, ``{name: fn(output, target)}`` averaged like the loss into ``metric_sums``.
         timeline: filled by :func:`execute`: per action ``(label, start, compute_start, compute_end)`` in
             seconds from the start of the step (``start`` includes waiting for inputs).
-        slowdown: emulation only: after each compute segment of t seconds, wait ``t * slowdown`` more so the
-            rank runs at its declared device's speed (DESIGN.md §6); 0 on real hardware.
+        emulator: emulation only (``None`` on real hardware): stretches each compute segment to the declared
+            device's speed (:class:`whale.runtime.emulation.EmulatedDevice`, DESIGN.md §6).
         before_last_backward: called with this run right before the last micro-batch's backward (arms
             gradient sync).
     """
@@ -51,7 +52,7 @@ class StageRun:
     loss_fn: Callable
     device: torch.device
     before_last_backward: Callable[[StageRun], None] = lambda run: None
-    slowdown: float = 0.0
+    emulator: Any = None
     timeline: list = field(default_factory=list)
     count_loss: bool = True
     metric_fns: dict = field(default_factory=dict)
@@ -92,7 +93,7 @@ def _forward(run: StageRun, mb: int, grad: bool, num_micro_batch: int) -> None:
         out = run.module(*inputs)
         if run.is_last:
             out = _loss(run, mb, out)
-    _account(run, start)
+    _account(run, start, ("F" if grad else "f", _shapes(inputs)))
     if not run.is_last:
         run._sends += p2p.send_values(out, run.next_rank, run.device)
     if grad:
@@ -125,7 +126,7 @@ def _backward(run: StageRun, mb: int, last: bool) -> None:
     start = _clock()
     if tensors:
         torch.autograd.backward(tensors, grads if not run.is_last else None)
-    _account(run, start)
+    _account(run, start, ("B", _shapes(inputs)))
     if not run.is_first:
         run._sends += p2p.send_grads(inputs, run.prev_rank)
 
@@ -134,16 +135,18 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def _account(run: StageRun, start: tuple[float, float]) -> None:
-    """Add a compute segment to ``busy``. Under emulation, stretch it to the declared device's speed: the
-    segment's CPU time (of this thread, which runs forward and CPU backward; robust to other processes taking
-    the core) times ``1 + slowdown`` is the emulated duration, and the rank waits until it has passed."""
+def _shapes(values: tuple) -> tuple:
+    """Shapes of the tensors among ``values``: segments with equal shapes do equal work."""
+    return tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
+
+
+def _account(run: StageRun, start: tuple[float, float], key: tuple) -> None:
+    """Add a compute segment to ``busy``. Under emulation, first stretch it to the declared device's speed
+    from this thread's CPU time (which runs forward and CPU backward; robust to other processes taking the
+    core)."""
     wall0, cpu0 = start
-    if run.slowdown > 0:
-        target = wall0 + (time.thread_time() - cpu0) * (1.0 + run.slowdown)
-        pause = target - time.perf_counter()
-        if pause > 0:
-            time.sleep(pause)
+    if run.emulator is not None:
+        run.emulator.wait(key, wall0, time.thread_time() - cpu0)
     end = time.perf_counter()
     run.busy += end - wall0
     run._segment = (wall0, end)

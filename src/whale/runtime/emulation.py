@@ -26,11 +26,11 @@ def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, 
     return base * (emulation_delays(cluster)[rank] + 1.0) - 1.0
 
 
-def measure_unit_time(size: int = 160, repeats: int = 15) -> float:
-    """CPU seconds this thread needs for one fixed unit of work (a ``size x size`` fp32 matmul): the rank's
-    real speed, for :func:`calibrated_slowdowns`. Median of ``repeats`` timings (thread CPU time)."""
-    import statistics
-
+def measure_unit_time(size: int = 160, repeats: int = 40) -> float:
+    """CPU seconds this thread needs for one fixed unit of work (four ``size x size`` fp32 matmuls): the rank's
+    real speed, for :func:`calibrated_slowdowns`. The fastest of ``repeats`` timings of thread CPU time (the
+    usual estimator of a machine's intrinsic speed: interference only ever adds time). Call it on every rank
+    at once (after a barrier), so that all ranks probe under the same host load."""
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -40,7 +40,7 @@ def measure_unit_time(size: int = 160, repeats: int = 15) -> float:
         for _ in range(4):
             a @ b
         times.append(time.thread_time() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def calibrated_slowdowns(cluster: ClusterSpec, unit_times: list[float], world_size: int,
@@ -60,3 +60,44 @@ def calibrated_slowdowns(cluster: ClusterSpec, unit_times: list[float], world_si
     prod = [s * t for s, t in zip(speeds, unit_times, strict=True)]
     top = max(prod)
     return [base * top / p - 1.0 for p in prod]
+
+
+class EmulatedDevice:
+    """Stretches this rank's compute segments to its declared device's speed (DESIGN.md §6).
+
+    A segment that took ``c`` seconds of this thread's CPU time, begun at wall time ``w0``, is made to end at
+    ``w0 + c + slowdown * median(c over the last `window` segments with the same key)``: the real compute plus
+    an extra wait from the segment's typical cost. On average that is ``c * (1 + slowdown)``, but host jitter (a
+    VM's caches, interrupts) is not multiplied by ``1 + slowdown`` (4-6x under the oversubscription base): a
+    GPU's kernel times are steady, and synchronous data parallelism pays the slowest rank of every step, so
+    amplified jitter would be charged to the plan. Time the segment spent waiting for a core (wall beyond ``c``)
+    is absorbed by the wait. Keys name segments of equal work, e.g. ``(kind, input shapes)``.
+
+    Args:
+        slowdown: extra seconds per second of compute (>= 0), from :func:`emulation_slowdown` or
+            :func:`calibrated_slowdowns`.
+        window: segments per key whose median sets the wait.
+        clock, sleep: wall clock (seconds) and sleep function; injectable for tests.
+    """
+
+    def __init__(self, slowdown: float, window: int = 9, clock=time.perf_counter, sleep=time.sleep) -> None:
+        if slowdown < 0 or window < 1:
+            raise ValueError(f"EmulatedDevice needs slowdown >= 0 and window >= 1, got {slowdown}, {window}")
+        self.slowdown = slowdown
+        self._window = window
+        self._history: dict = {}
+        self._clock, self._sleep = clock, sleep
+
+    def wait(self, key, wall0: float, cpu_seconds: float) -> float:
+        """Sleep until the emulated end of a segment of ``cpu_seconds`` (thread CPU time) begun at ``wall0``
+        (on ``clock``). Returns the seconds slept."""
+        import collections
+        import statistics
+
+        hist = self._history.setdefault(key, collections.deque(maxlen=self._window))
+        hist.append(cpu_seconds)
+        pause = wall0 + cpu_seconds + self.slowdown * statistics.median(hist) - self._clock()
+        if pause > 0:
+            self._sleep(pause)
+            return pause
+        return 0.0

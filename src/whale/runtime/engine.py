@@ -19,7 +19,12 @@ from whale.plan import hardware
 from whale.plan.plan import Plan
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
-from whale.runtime.emulation import calibrated_slowdowns, emulation_slowdown, measure_unit_time
+from whale.runtime.emulation import (
+    EmulatedDevice,
+    calibrated_slowdowns,
+    emulation_slowdown,
+    measure_unit_time,
+)
 from whale.runtime.groups import build_groups, norm_owned_params, sync_sets
 from whale.runtime.optim import make_optimizer
 
@@ -76,6 +81,16 @@ class Engine:
         self._norm_owner = norm_owned_params(plan, self.module, self.stage, self.lane, shared_stages,
                                              split_params)
 
+    @property
+    def slowdown(self) -> float:
+        """Emulation only: this rank's extra wait per second of compute (0 on real hardware). Setting it
+        restarts the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`)."""
+        return self._emulator.slowdown if self._emulator is not None else 0.0
+
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        self._emulator = EmulatedDevice(value) if value > 0 else None
+
     def _emulation(self, ctx: Context) -> float:
         """Under an emulated cluster, this rank's slowdown, calibrated to the real speed of every rank's core
         (collective); 0 otherwise."""
@@ -84,6 +99,7 @@ class Engine:
         if ctx.world_size == 1:
             return emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
         times = [None] * ctx.world_size
+        dist.barrier()  # probe together: every rank under the same host load
         dist.all_gather_object(times, measure_unit_time())
         return calibrated_slowdowns(ctx.cluster, times, ctx.world_size)[ctx.rank]
 
@@ -110,7 +126,7 @@ class Engine:
             targets=[_to(_slice(target, a, b), dev) for a, b in loss_rows] if is_last else [],
             scales=[(b - a) / total for a, b in loss_rows], loss_fn=self.loss_fn, device=dev,
             before_last_backward=self._arm, count_loss=not self.split_loss or self.lane % n == 0,
-            metric_fns=metrics or {}, slowdown=self.slowdown,
+            metric_fns=metrics or {}, emulator=self._emulator,
         )
 
     def _fuse_loss(self) -> bool:

@@ -1,0 +1,175 @@
+"""Data-parallel case of :mod:`benchmarks.heterogeneous` (EMULATED): equal vs hardware-aware shares vs the
+ideal, the sum of each device's standalone throughput.
+
+Every rank holds three engines of the same model: the job with equal shares (``hardware_aware=False``), the job
+with hardware-aware shares, and a world-of-one engine (a 1-device emulated spec of the rank's type, its own
+:class:`whale.runtime.context.Context` of world size 1: no communication) with the emulation slowdown the rank
+has in the job (a 1-device spec alone would give 0: emulation is relative to the fastest device of the spec).
+Round by round, after the two jobs, the world-of-one engines measure each device's standalone throughput:
+
+* ``job_rows`` (the ideal): on the rows the device trains in the hardware-aware job, all devices at once for a
+  fixed window (they share this host's cores, caches and memory bandwidth as in the job; a real GPU's speed
+  does not depend on its neighbours). Its sum is what the devices would do working alone on their shares with
+  no synchronization or communication; the job loses to it only by imbalance, gradient sync and stragglers.
+* ``equal_rows``: the same on ``batch / world`` rows (a per-device batch fixed for every plan). On this CPU the
+  time per row moves by a few % with the rows (caches), which this ideal charges to the balancer.
+* ``idle_host``: ``batch / world`` rows, one rank at a time while the others wait: each device alone on the
+  host, faster than any device of the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._hetero_common import emulation_setup, gather, load_spec, rows_per_rank, timed_steps
+from benchmarks._hetero_model import TokenMLP, _sgd, loss_fn, make_batch
+
+MODES = ("job_rows", "equal_rows", "idle_host")
+"""Standalone measurements, see the module docstring."""
+
+
+def ideal_dp_speedup(speeds: list[float]) -> float:
+    """sum(X_i) / (N x min X_i): throughput of speed-proportional shares over equal shares."""
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
+    """Equal vs hardware-aware shares on ``cfg["spec"]`` and every rank's standalone throughput (:data:`MODES`),
+    all in one launch, round by round. Rank 0 returns the result."""
+    emulation_setup(cfg, rank)
+    spec = load_spec(cfg["spec"])
+    x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
+    engines = _dp_engines(spec, cfg, (x, y))
+    alone = _standalone_engine(spec, cfg, rank, engines["aware"].slowdown)
+    rows = {"job_rows": rows_per_rank(engines["aware"].plan, cfg["batch"])[rank],
+            "equal_rows": cfg["batch"] // world, "idle_host": cfg["batch"] // world}
+    times, alone_times = _dp_rounds(engines, alone, (x, y), rows, rank, cfg)
+    info = gather({"slowdown": engines["aware"].slowdown, "rows": rows, **alone_times})
+    if rank != 0:
+        return None
+    devices = [d.name for d in spec.devices()]
+    out = {"spec": cfg["spec"], "world": world, "batch": cfg["batch"], "devices": devices,
+           "emulation_cores": cfg.get("emulation_cores"), "slowdown": [d["slowdown"] for d in info],
+           "speeds_tflops": [d.fp32_flops / 1e12 for d in spec.devices()], "standalone": []}
+    for r, d in enumerate(info):
+        row = {"rank": r, "device": devices[r], "slowdown": d["slowdown"]}
+        for mode in MODES:
+            med = statistics.median(d[mode])
+            row[mode] = {"rows": d["rows"][mode], "step_s": med, "throughput": d["rows"][mode] / med,
+                         "times": d[mode]}
+        out["standalone"].append(row)
+    for name, engine in engines.items():
+        med = statistics.median(times[name])
+        out[name] = {"step_s": med, "throughput": cfg["batch"] / med,
+                     "rows": rows_per_rank(engine.plan, cfg["batch"]), "times": times[name], "plan": str(engine.plan)}
+    return out
+
+
+def _dp_engines(spec, cfg: dict, batch) -> dict:
+    """The equal-shares and the hardware-aware engine of the same model on this rank."""
+    import whale as wh
+
+    engines = {}
+    for name, aware in (("equal", False), ("aware", True)):
+        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0))
+        engines[name] = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx,
+                                       sample_batch=batch)
+    return engines
+
+
+def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float):
+    """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run."""
+    import whale as wh
+    from whale.cluster import NodeSpec
+    from whale.runtime.context import Context
+
+    one = dataclasses.replace(spec, nodes=(NodeSpec((spec.devices()[rank],)),))
+    ctx1 = Context(wh.Config(cluster=one, seed=0), 0, 1, torch.device("cpu"), one)
+    alone = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx1)
+    alone.slowdown = slowdown
+    return alone
+
+
+def _own_steps(engine, batch, k: int) -> float:
+    """Seconds per step of ``k`` steps of this rank's world-of-one ``engine`` (no collective inside)."""
+    start = time.perf_counter()
+    for _ in range(k):
+        engine.step(batch)
+    return (time.perf_counter() - start) / k
+
+
+def _steps_until(engine, batch, window_s: float) -> float:
+    """Steps of this rank's world-of-one ``engine`` for ``window_s`` seconds from a deadline agreed by all
+    ranks; seconds per step over the steps that ended before it (every rank runs until the same deadline, so
+    the counted steps all ran under the full host load: no rank measures a tail with the others idle).
+
+    Raises:
+        RuntimeError: no step fitted in the window.
+    """
+    start_wall = torch.tensor([time.time()], dtype=torch.float64)
+    dist.broadcast(start_wall, 0)  # one deadline on the host clock for every rank
+    start = end = time.perf_counter()
+    deadline = start + float(start_wall) + window_s - time.time()
+    done = 0
+    while True:
+        engine.step(batch)
+        now = time.perf_counter()
+        if now > deadline:
+            break
+        end, done = now, done + 1
+    if done == 0:
+        raise RuntimeError(f"no standalone step fitted in the {window_s} s window; raise window_s")
+    return (end - start) / done
+
+
+def _dp_rounds(engines: dict, alone, batch, rows: dict, rank: int, cfg: dict):
+    """Warm-up then measured rounds: ``k`` steps of every engine (alternating order), then the standalone
+    measurements of :data:`MODES`. Returns per-engine seconds per step and this rank's standalone seconds per
+    step by mode."""
+    part = {m: (batch[0][:rows[m]].contiguous(), batch[1][:rows[m]].contiguous()) for m in MODES}
+    names, k = list(engines), cfg["k"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    alone_times: dict[str, list[float]] = {m: [] for m in MODES}
+    for i in range(cfg["warmup"] + cfg["rounds"]):
+        measured = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            measured[name] = timed_steps(engines[name], batch, k)
+        for mode in ("job_rows", "equal_rows"):
+            measured[mode] = _steps_until(alone, part[mode], cfg["window_s"])
+        for r in range(dist.get_world_size()):
+            dist.barrier()
+            if r == rank:
+                measured["idle_host"] = _own_steps(alone, part["idle_host"], k)
+        dist.barrier()
+        if i >= cfg["warmup"]:
+            for key, t in measured.items():
+                (times if key in times else alone_times)[key].append(t)
+    return times, alone_times
+
+
+def dp_summary(r: dict) -> None:
+    """Add the ideal throughputs (one per standalone mode), ratios and speedups to one case's result."""
+    from whale.cluster import CATALOG
+
+    for mode in MODES:
+        ideal = sum(s[mode]["throughput"] for s in r["standalone"])
+        suffix = "" if mode == "job_rows" else f"_{mode}"
+        r["ideal_throughput" + suffix] = ideal
+        r["ratio_to_ideal" + suffix] = r["aware"]["throughput"] / ideal
+    r["equal_ratio_to_ideal"] = r["equal"]["throughput"] / r["ideal_throughput"]
+    r["speedup_over_equal"] = r["equal"]["step_s"] / r["aware"]["step_s"]
+    r["ideal_speedup"] = ideal_dp_speedup([CATALOG[n].fp32_flops for n in r["devices"]])
+    r["fraction_of_ideal_speedup"] = r["speedup_over_equal"] / r["ideal_speedup"]
+    # emulation accuracy: measured standalone speed ratio of the fastest vs the slowest device type
+    by_type: dict[str, list[float]] = {}
+    for s in r["standalone"]:
+        by_type.setdefault(s["device"], []).append(s["equal_rows"]["throughput"])
+    fast = max(by_type, key=lambda n: CATALOG[n].fp32_flops)
+    slow = min(by_type, key=lambda n: CATALOG[n].fp32_flops)
+    r["speed_ratio_measured"] = statistics.mean(by_type[fast]) / statistics.mean(by_type[slow])
+    r["speed_ratio_declared"] = CATALOG[fast].fp32_flops / CATALOG[slow].fp32_flops
