@@ -15,6 +15,8 @@ Round by round, after the two jobs, the world-of-one engines measure each device
   time per row moves by a few % with the rows (caches), which this ideal charges to the balancer.
 * ``idle_host``: ``batch / world`` rows, one rank at a time while the others wait: each device alone on the
   host, faster than any device of the job.
+* ``idle_host_job_rows``: the job's rows, one rank at a time: the control that separates the effect of the
+  rows (compare with ``idle_host``) from that of devices computing side by side (compare with ``job_rows``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from benchmarks._hetero_common import emulation_setup, gather, load_spec, rows_per_rank, timed_steps
 from benchmarks._hetero_model import TokenMLP, _sgd, loss_fn, make_batch
 
-MODES = ("job_rows", "equal_rows", "idle_host")
+MODES = ("job_rows", "equal_rows", "idle_host", "idle_host_job_rows")
 """Standalone measurements, see the module docstring."""
 
 
@@ -46,8 +48,8 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
     x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
     engines = _dp_engines(spec, cfg, (x, y))
     alone = _standalone_engine(spec, cfg, rank, engines["aware"].slowdown)
-    rows = {"job_rows": rows_per_rank(engines["aware"].plan, cfg["batch"])[rank],
-            "equal_rows": cfg["batch"] // world, "idle_host": cfg["batch"] // world}
+    job, equal = rows_per_rank(engines["aware"].plan, cfg["batch"])[rank], cfg["batch"] // world
+    rows = {"job_rows": job, "equal_rows": equal, "idle_host": equal, "idle_host_job_rows": job}
     times, alone_times = _dp_rounds(engines, alone, (x, y), rows, rank, cfg)
     info = gather({"slowdown": engines["aware"].slowdown, "rows": rows, **alone_times})
     if rank != 0:
@@ -71,14 +73,17 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
 
 
 def _dp_engines(spec, cfg: dict, batch) -> dict:
-    """The equal-shares and the hardware-aware engine of the same model on this rank."""
+    """The equal-shares and the hardware-aware engine of the same model on this rank (``cfg["bucket_cap_mb"]``:
+    gradient bucket size, Whale's default when absent)."""
     import whale as wh
 
     engines = {}
+    extra = {"bucket_cap_mb": cfg["bucket_cap_mb"]} if cfg.get("bucket_cap_mb") else {}
     for name, aware in (("equal", False), ("aware", True)):
-        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0))
+        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0, **extra))
         engines[name] = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx,
                                        sample_batch=batch)
+    engines["equal"].slowdown = engines["aware"].slowdown  # one emulated device per rank, one calibration
     return engines
 
 
@@ -144,7 +149,8 @@ def _dp_rounds(engines: dict, alone, batch, rows: dict, rank: int, cfg: dict):
         for r in range(dist.get_world_size()):
             dist.barrier()
             if r == rank:
-                measured["idle_host"] = _own_steps(alone, part["idle_host"], k)
+                for mode in ("idle_host", "idle_host_job_rows"):
+                    measured[mode] = _own_steps(alone, part[mode], k)
         dist.barrier()
         if i >= cfg["warmup"]:
             for key, t in measured.items():

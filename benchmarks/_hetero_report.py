@@ -51,6 +51,7 @@ def report(res: dict) -> str:
             f"(FLOPS shares, memory not enforced by emulation: {m['flops_shares']['throughput']:.1f})")
     lines += ["", "Summary (EMULATED):"]
     for key in ("dp_ratio_to_ideal", "dp_ratio_to_ideal_equal_rows", "dp_ratio_to_ideal_idle_host",
+                "dp_ratio_to_ideal_idle_host_job_rows",
                 "dp_speedup_over_equal", "dp_ideal_speedup", "dp_fraction_of_ideal_speedup",
                 "pp_speedup_over_uniform", "pp_ideal_speedup", "pp_bound_speedup", "pp_fraction_of_ideal",
                 "pp_fraction_of_bound"):
@@ -59,6 +60,8 @@ def report(res: dict) -> str:
         lines.append(f"  {key:<30} {text}")
     for goal, ok in res["goals"].items():
         lines.append(f"  goal {goal:<62} {'met' if ok else 'NOT MET'}")
+    if res.get("quick"):
+        lines.append("  --quick is a smoke test (tiny model, per-step overhead dominates): goals are not meaningful")
     lines.append(f"  wall time {res['wall_s']:.0f} s on {res['cores']} cores, emulated as "
                  f"{res['config']['emulation_cores']} core(s)")
     return "\n".join(lines)

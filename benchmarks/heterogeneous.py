@@ -224,6 +224,7 @@ def _result(p: dict, dp: dict, pp: dict, mem: dict, wall_s: float) -> dict:
         "dp_ratio_to_ideal": {k: dp[k]["ratio_to_ideal"] for k in dp},
         "dp_ratio_to_ideal_equal_rows": {k: dp[k]["ratio_to_ideal_equal_rows"] for k in dp},
         "dp_ratio_to_ideal_idle_host": {k: dp[k]["ratio_to_ideal_idle_host"] for k in dp},
+        "dp_ratio_to_ideal_idle_host_job_rows": {k: dp[k]["ratio_to_ideal_idle_host_job_rows"] for k in dp},
         "dp_speedup_over_equal": {k: dp[k]["speedup_over_equal"] for k in dp},
         "dp_ideal_speedup": {k: dp[k]["ideal_speedup"] for k in dp},
         "dp_fraction_of_ideal_speedup": {k: dp[k]["fraction_of_ideal_speedup"] for k in dp},

@@ -10,7 +10,7 @@ from tests.models import TinyLM
 from whale.cluster import ClusterSpec
 from whale.plan.balance import InfeasiblePlanError
 from whale.plan.hardware import MemoryModel, apply_hardware
-from whale.runtime.emulation import EmulatedDevice, emulation_slowdown
+from whale.runtime.emulation import EmulatedDevice, emulation_cores, emulation_slowdown
 
 
 def _spec(*names, emulate=False, memory_scale=1.0, per_node=None):
@@ -98,6 +98,19 @@ def test_emulation_slowdown_keeps_device_ratios_and_cores_free():
     assert emulation_slowdown(_spec("V100-32GB", "P100-16GB"), 1, 2) == 0.0  # not emulating
 
 
+def test_emulation_cores_reads_the_environment_and_names_bad_values(monkeypatch):
+    monkeypatch.setenv("WHALE_EMULATION_CORES", "1.5")
+    assert emulation_cores() == 1.5
+    spec = _spec("V100-32GB", "V100-32GB", "V100-32GB", emulate=True)
+    assert emulation_slowdown(spec, 0, 3) == pytest.approx(1.0)  # 3 ranks on 1.5 cores: base 2
+    for bad in ("abc", "0", "-2"):
+        monkeypatch.setenv("WHALE_EMULATION_CORES", bad)
+        with pytest.raises(ValueError, match="WHALE_EMULATION_CORES"):
+            emulation_cores()
+    monkeypatch.delenv("WHALE_EMULATION_CORES")
+    assert emulation_cores() >= 1 and emulation_cores(4) == 4.0
+
+
 class _FakeClock:
     """Wall clock for EmulatedDevice: ``now`` seconds; sleeping advances it."""
 
@@ -111,31 +124,58 @@ class _FakeClock:
         self.now += seconds
 
 
+def _device(slowdown, clock, **kw):
+    return EmulatedDevice(slowdown, clock=clock, cpu_clock=clock, sleep=clock.sleep, **kw)
+
+
 def test_emulated_device_stretches_segments_by_their_typical_cost():
     clock = _FakeClock()
-    dev = EmulatedDevice(2.0, window=3, clock=clock, sleep=clock.sleep)
+    dev = _device(2.0, clock, window=3)
     ends = []
     for cpu in (1.0, 1.3, 0.7, 1.0):  # each segment ran on the core for exactly its CPU time
         start = clock.now
         clock.now += cpu
-        dev.wait("F", start, cpu)
+        dev.wait("F", start, start, cpu)
         ends.append(clock.now - start)
     # emulated duration = cpu + 2 x median of this key's last 3 CPU times: the wait does not copy the jitter
     assert ends == pytest.approx([1.0 + 2 * 1.0, 1.3 + 2 * 1.15, 0.7 + 2 * 1.0, 1.0 + 2 * 1.0])
     start = clock.now  # another key keeps its own history
     clock.now += 0.1
-    assert dev.wait(("B", (4, 8)), start, 0.1) == pytest.approx(0.2)
+    assert dev.wait(("B", (4, 8)), start, start, 0.1) == pytest.approx(0.2)
 
 
 def test_emulated_device_absorbs_time_spent_waiting_for_a_core():
     clock = _FakeClock()
-    dev = EmulatedDevice(3.0, clock=clock, sleep=clock.sleep)
+    dev = _device(3.0, clock)
     clock.now = 1.5  # 0.5 s of CPU took 1.5 s of wall time (another rank held the core)
-    assert dev.wait("F", 0.0, 0.5) == pytest.approx(0.5)  # ends at 0.5 x (1 + 3) = 2.0 all the same
+    assert dev.wait("F", 0.0, 0.0, 0.5) == pytest.approx(0.5)  # ends at 0.5 x (1 + 3) = 2.0 all the same
     clock.now = 10.0  # later than the emulated end: no wait, never negative
-    assert dev.wait("F", 5.0, 0.5) == 0.0
+    assert dev.wait("F", 5.0, 5.0, 0.5) == 0.0
     with pytest.raises(ValueError, match="slowdown >= 0"):
         EmulatedDevice(-1.0)
+
+
+def test_emulated_device_starts_deferred_work_at_its_emulated_time():
+    clock = _FakeClock()
+    dev = _device(3.0, clock)
+    started = []
+    clock.now = 0.25  # a gradient bucket is ready a quarter into the segment's CPU time ...
+    dev.defer(lambda: started.append(clock.now))
+    clock.now = 1.0  # ... the last one at its end
+    dev.defer(lambda: started.append(clock.now))
+    dev.wait("B", 0.0, 0.0, 1.0)  # emulated duration 1 + 3 x 1 = 4 s
+    assert started == pytest.approx([1.0, 4.0]) and clock.now == pytest.approx(4.0)
+    dev.defer(lambda: started.append("flushed"))
+    dev.flush()
+    assert started[-1] == "flushed"
+
+
+def test_emulated_device_keeps_a_bounded_history():
+    clock = _FakeClock()
+    dev = _device(1.0, clock, max_keys=3)
+    for n in range(10):  # e.g. a new sequence length every step
+        dev.wait(("F", n), clock.now, clock.now, 0.1)
+    assert list(dev._history) == [("F", 7), ("F", 8), ("F", 9)]
 
 
 def test_whale_plan_command_prints_the_hardware_aware_plan(capsys):

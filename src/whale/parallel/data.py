@@ -12,6 +12,7 @@ rank of a group launches its collectives in the same order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,11 @@ class GradSync:
             ``first_bucket_mb`` so that communication starts early in backward (as DDP does).
         overlap: start all-reduces from gradient hooks during the armed backward.
 
+    Attributes:
+        scheduler: ``None``, or an object with ``defer(fn)`` and ``flush()`` that starts each bucket's all-reduce
+            later (emulation: at the emulated time its gradients are ready,
+            :class:`whale.runtime.emulation.EmulatedDevice`); launch order is kept.
+
     Usage per step: ``arm()`` before the last backward, then ``finish()`` after it, ``zero_grad()`` after the
     optimizer step. ``arm(extra)`` puts one float in a spare slot of the last bucket, summed over that
     bucket's group for free (the step's loss).
@@ -89,6 +95,7 @@ class GradSync:
         self.extra: torch.Tensor | None = None
         self.bytes_reduced = 0
         """Gradient bytes handed to all-reduce so far (the loss riding along is not counted)."""
+        self.scheduler = None
         self._handles = []
         if overlap:
             for b in self.buckets:
@@ -130,7 +137,10 @@ class GradSync:
             b = self.buckets[self._next]
             if len(b.ready) < len(b.params):
                 break
-            self._launch(b)
+            if self.scheduler is not None:
+                self.scheduler.defer(functools.partial(self._launch, b))
+            else:
+                self._launch(b)
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
@@ -149,6 +159,8 @@ class GradSync:
 
     def finish(self) -> None:
         """Launch what the hooks did not (unused parameters count as zero gradients) and wait for all."""
+        if self.scheduler is not None:
+            self.scheduler.flush()
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1

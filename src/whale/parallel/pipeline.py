@@ -93,7 +93,7 @@ def _forward(run: StageRun, mb: int, grad: bool, num_micro_batch: int) -> None:
         out = run.module(*inputs)
         if run.is_last:
             out = _loss(run, mb, out)
-    _account(run, start, ("F" if grad else "f", _shapes(inputs)))
+    _account(run, start, ("F" if grad else "f", bool(run.metric_fns), _shapes(inputs)))
     if not run.is_last:
         run._sends += p2p.send_values(out, run.next_rank, run.device)
     if grad:
@@ -136,8 +136,10 @@ def _clock() -> tuple[float, float]:
 
 
 def _shapes(values: tuple) -> tuple:
-    """Shapes of the tensors among ``values``: segments with equal shapes do equal work."""
-    return tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
+    """What sets a segment's work: tensor shapes and dtypes, and plain values (flags, sizes) among ``values``."""
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+                 else v if isinstance(v, bool | int | float | str | type(None)) else type(v).__name__
+                 for v in values)
 
 
 def _account(run: StageRun, start: tuple[float, float], key: tuple) -> None:
@@ -146,7 +148,7 @@ def _account(run: StageRun, start: tuple[float, float], key: tuple) -> None:
     core)."""
     wall0, cpu0 = start
     if run.emulator is not None:
-        run.emulator.wait(key, wall0, time.thread_time() - cpu0)
+        run.emulator.wait(key, wall0, cpu0, time.thread_time() - cpu0)
     end = time.perf_counter()
     run.busy += end - wall0
     run._segment = (wall0, end)

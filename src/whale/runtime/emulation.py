@@ -8,7 +8,29 @@ import time
 from whale.cluster import ClusterSpec, emulation_delays
 
 
-def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, cores: int | None = None) -> float:
+def emulation_cores(cores: float | None = None) -> float:
+    """The core count emulation plans for: ``cores`` if given, else ``WHALE_EMULATION_CORES`` (a positive number,
+    fractions allowed), else the machine's CPU count.
+
+    Raises:
+        ValueError: ``WHALE_EMULATION_CORES`` (or ``cores``) is not a positive number.
+    """
+    if cores is None:
+        raw = os.environ.get("WHALE_EMULATION_CORES", "").strip()
+        if not raw:
+            return float(os.cpu_count() or 1)
+        try:
+            cores = float(raw)
+        except ValueError:
+            raise ValueError(f"WHALE_EMULATION_CORES={raw!r} is not a number; set it to the CPU cores the "
+                             f"emulated ranks may use (e.g. 2), or unset it to use all {os.cpu_count()}") from None
+    if not cores > 0:
+        raise ValueError(f"emulation cores must be > 0, got {cores}; set WHALE_EMULATION_CORES to a positive "
+                         f"number or unset it")
+    return float(cores)
+
+
+def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, cores: float | None = None) -> float:
     """Extra wait per second of compute for ``rank`` under an emulated cluster (0 when not emulating).
 
     A rank whose declared device is ``s_max / s_i`` times slower than the fastest waits ``t * (s_max/s_i - 1)``
@@ -16,13 +38,15 @@ def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, 
     by a further ``world / cores`` so that the cores are never oversubscribed and each rank's compute runs at
     full single-core speed: the wait becomes ``t * (base * s_max/s_i - 1)`` with ``base = world / cores``.
     Ratios between ranks stay those of the declared devices; absolute speed is not emulated. ``cores``
-    defaults to ``WHALE_EMULATION_CORES`` or the machine's CPU count (set it lower on a shared machine to leave
-    headroom).
+    defaults to ``WHALE_EMULATION_CORES`` or the machine's CPU count (:func:`emulation_cores`; set it lower on
+    a shared machine to leave headroom).
+
+    Raises:
+        ValueError: a bad ``WHALE_EMULATION_CORES``.
     """
     if cluster is None or not cluster.emulate:
         return 0.0
-    cores = cores or int(os.environ.get("WHALE_EMULATION_CORES", 0)) or os.cpu_count() or 1
-    base = max(1.0, world_size / cores)
+    base = max(1.0, world_size / emulation_cores(cores))
     return base * (emulation_delays(cluster)[rank] + 1.0) - 1.0
 
 
@@ -44,7 +68,7 @@ def measure_unit_time(size: int = 160, repeats: int = 40) -> float:
 
 
 def calibrated_slowdowns(cluster: ClusterSpec, unit_times: list[float], world_size: int,
-                         cores: int | None = None) -> list[float]:
+                         cores: float | None = None) -> list[float]:
     """Per-rank slowdowns that make emulated speeds follow the declared ones even when the CPU cores under the
     ranks differ in real speed (a VM's vCPUs often do by 5-25%).
 
@@ -54,8 +78,7 @@ def calibrated_slowdowns(cluster: ClusterSpec, unit_times: list[float], world_si
     ``slowdown_i = base * max_j(s_j t_j) / (s_i t_i) - 1``. With equal ``t_i`` this is
     ``base * s_max / s_i - 1``.
     """
-    cores = cores or int(os.environ.get("WHALE_EMULATION_CORES", 0)) or os.cpu_count() or 1
-    base = max(1.0, world_size / cores)
+    base = max(1.0, world_size / emulation_cores(cores))
     speeds = [d.fp32_flops for d in cluster.devices()]
     prod = [s * t for s, t in zip(speeds, unit_times, strict=True)]
     top = max(prod)
@@ -70,33 +93,69 @@ class EmulatedDevice:
     an extra wait from the segment's typical cost. On average that is ``c * (1 + slowdown)``, but host jitter (a
     VM's caches, interrupts) is not multiplied by ``1 + slowdown`` (4-6x under the oversubscription base): a
     GPU's kernel times are steady, and synchronous data parallelism pays the slowest rank of every step, so
-    amplified jitter would be charged to the plan. Time the segment spent waiting for a core (wall beyond ``c``)
-    is absorbed by the wait. Keys name segments of equal work, e.g. ``(kind, input shapes)``.
+    amplified jitter would be charged to the plan. Wall time a segment spends off the CPU (waiting for a core,
+    or in a blocking collective inside it, such as a split layer's all-reduce) is absorbed by the wait, so the
+    emulation under-counts blocking collectives inside segments. Keys name segments of equal work, e.g.
+    ``(kind, input shapes and dtypes)``; the ``max_keys`` most recently used are kept.
+
+    Work started from inside a segment (gradient all-reduces launched by backward hooks) is :meth:`defer`-red
+    and started at its emulated time: a launch requested after a fraction ``f`` of the segment's CPU time starts
+    at ``w0 + f x`` the emulated duration, as it would on the declared device, so the last gradient bucket's
+    all-reduce is exposed after backward instead of hidden in the wait.
 
     Args:
         slowdown: extra seconds per second of compute (>= 0), from :func:`emulation_slowdown` or
             :func:`calibrated_slowdowns`.
         window: segments per key whose median sets the wait.
-        clock, sleep: wall clock (seconds) and sleep function; injectable for tests.
+        clock, cpu_clock, sleep: wall clock, this thread's CPU clock (seconds) and sleep; injectable for tests.
+
+    Raises:
+        ValueError: a negative ``slowdown`` or a ``window`` below 1.
     """
 
-    def __init__(self, slowdown: float, window: int = 9, clock=time.perf_counter, sleep=time.sleep) -> None:
+    def __init__(self, slowdown: float, window: int = 9, max_keys: int = 64, clock=time.perf_counter,
+                 cpu_clock=time.thread_time, sleep=time.sleep) -> None:
         if slowdown < 0 or window < 1:
             raise ValueError(f"EmulatedDevice needs slowdown >= 0 and window >= 1, got {slowdown}, {window}")
         self.slowdown = slowdown
-        self._window = window
+        self._window, self._max_keys = window, max_keys
         self._history: dict = {}
-        self._clock, self._sleep = clock, sleep
+        self._pending: list = []
+        self._clock, self._cpu_clock, self._sleep = clock, cpu_clock, sleep
 
-    def wait(self, key, wall0: float, cpu_seconds: float) -> float:
-        """Sleep until the emulated end of a segment of ``cpu_seconds`` (thread CPU time) begun at ``wall0``
-        (on ``clock``). Returns the seconds slept."""
+    def defer(self, fn) -> None:
+        """Run ``fn()`` at its emulated time in the current segment (at the latest when the segment's wait ends,
+        or at :meth:`flush`)."""
+        self._pending.append((self._cpu_clock(), fn))
+
+    def flush(self) -> None:
+        """Run every deferred function now, in order."""
+        pending, self._pending = self._pending, []
+        for _, fn in pending:
+            fn()
+
+    def wait(self, key, wall0: float, cpu0: float, cpu_seconds: float) -> float:
+        """Sleep until the emulated end of a segment begun at wall time ``wall0`` and CPU time ``cpu0`` that took
+        ``cpu_seconds`` of CPU, running deferred work at its emulated times. Returns the seconds slept."""
         import collections
         import statistics
 
-        hist = self._history.setdefault(key, collections.deque(maxlen=self._window))
+        hist = self._history.pop(key, None) or collections.deque(maxlen=self._window)
+        self._history[key] = hist  # most recently used last
+        while len(self._history) > self._max_keys:
+            del self._history[next(iter(self._history))]
         hist.append(cpu_seconds)
-        pause = wall0 + cpu_seconds + self.slowdown * statistics.median(hist) - self._clock()
+        total = cpu_seconds + self.slowdown * statistics.median(hist)
+        slept = 0.0
+        pending, self._pending = self._pending, []
+        for cpu_at, fn in pending:
+            frac = min(1.0, max(0.0, (cpu_at - cpu0) / cpu_seconds)) if cpu_seconds > 0 else 1.0
+            slept += self._sleep_until(wall0 + frac * total)
+            fn()
+        return slept + self._sleep_until(wall0 + total)
+
+    def _sleep_until(self, when: float) -> float:
+        pause = when - self._clock()
         if pause > 0:
             self._sleep(pause)
             return pause

@@ -84,12 +84,19 @@ class Engine:
     @property
     def slowdown(self) -> float:
         """Emulation only: this rank's extra wait per second of compute (0 on real hardware). Setting it
-        restarts the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`)."""
+        restarts the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`).
+
+        Raises:
+            ValueError: a negative value.
+        """
         return self._emulator.slowdown if self._emulator is not None else 0.0
 
     @slowdown.setter
     def slowdown(self, value: float) -> None:
+        if value < 0:
+            raise ValueError(f"slowdown must be >= 0 (extra seconds per second of compute), got {value}")
         self._emulator = EmulatedDevice(value) if value > 0 else None
+        self.grad_sync.scheduler = self._emulator  # bucket all-reduces start at their emulated times
 
     def _emulation(self, ctx: Context) -> float:
         """Under an emulated cluster, this rank's slowdown, calibrated to the real speed of every rank's core
