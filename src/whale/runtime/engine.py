@@ -93,6 +93,12 @@ class Engine:
 
     @slowdown.setter
     def slowdown(self, value: float) -> None:
+        """Set the extra wait per second of compute (>= 0; 0 turns emulation off) and start a fresh emulated
+        device, which also schedules this rank's gradient all-reduces.
+
+        Raises:
+            ValueError: a negative value.
+        """
         if value < 0:
             raise ValueError(f"slowdown must be >= 0 (extra seconds per second of compute), got {value}")
         self._emulator = EmulatedDevice(value) if value > 0 else None
