@@ -3,6 +3,7 @@ groups, schedule and stage all come from the plan."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -237,15 +238,16 @@ class Engine:
 
     def rebalance(self) -> Plan:
         """Re-balance the lanes' batch shares from the compute time per sample measured over recent steps
-        (collective: every rank must call it). The new plan comes from the pure planner function
-        :func:`whale.plan.hardware.rebalance`; only the shares change, so nothing is rebuilt.
+        (collective: every rank must call it): per rank, the median over the recorded steps (up to 20) of
+        busy seconds / rows, so a first step's one-off costs (allocation, warm-up) do not skew it. The new plan
+        comes from the pure planner function :func:`whale.plan.hardware.rebalance`; only the shares change, so
+        nothing is rebuilt.
 
         Returns:
             The new plan (also ``self.plan``).
         """
-        busy = sum(h[0] for h in self._history)
-        rows = sum(h[2] for h in self._history)
-        mine = (self.lane, busy / rows if rows else 0.0)
+        per_row = [h[0] / h[2] for h in self._history if h[2]]
+        mine = (self.lane, statistics.median(per_row) if per_row else 0.0)
         every = [mine] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(every, mine)
