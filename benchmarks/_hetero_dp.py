@@ -1,11 +1,14 @@
 """Data-parallel case of :mod:`benchmarks.heterogeneous` (EMULATED): equal vs hardware-aware shares vs the
 ideal, the sum of each device's standalone throughput.
 
-Every rank holds three engines of the same model: the job with equal shares (``hardware_aware=False``), the job
-with hardware-aware shares, and a world-of-one engine (a 1-device emulated spec of the rank's type, its own
-:class:`whale.runtime.context.Context` of world size 1: no communication) with the emulation slowdown the rank
-has in the job (a 1-device spec alone would give 0: emulation is relative to the fastest device of the spec).
-Round by round, after the two jobs, the world-of-one engines measure each device's standalone throughput:
+Every rank holds two jobs' engines of the same model: equal shares (``hardware_aware=False``) and
+hardware-aware shares (``aware``: the planner's Algorithm 1 from the declared FLOPS). Each step has
+``cfg["micro"]`` micro-batches (gradient accumulation: one gradient all-reduce per step, as large-batch
+training runs). A world-of-one engine (a 1-device emulated spec of the rank's type, its own
+:class:`whale.runtime.context.Context` of world size 1, the same micro-batches: no communication) has the
+emulation slowdown the rank has in the job (a 1-device spec alone would give 0: emulation is relative to the
+fastest device of the spec). Round by round, after the jobs, the world-of-one engines measure each device's
+standalone throughput:
 
 * ``job_rows`` (the ideal): on the rows the device trains in the hardware-aware job, all devices at once for a
   fixed window (they share this host's cores, caches and memory bandwidth as in the job; a real GPU's speed
@@ -73,14 +76,16 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
 
 
 def _dp_engines(spec, cfg: dict, batch) -> dict:
-    """The equal-shares and the hardware-aware engine of the same model on this rank (``cfg["bucket_cap_mb"]``:
-    gradient bucket size, Whale's default when absent)."""
+    """The equal-shares and the hardware-aware engine of the same model on this rank (``cfg["micro"]``:
+    micro-batches per step, i.e. gradient accumulation, default 1; ``cfg["bucket_cap_mb"]``: gradient bucket
+    size, Whale's default when absent)."""
     import whale as wh
 
     engines = {}
     extra = {"bucket_cap_mb": cfg["bucket_cap_mb"]} if cfg.get("bucket_cap_mb") else {}
     for name, aware in (("equal", False), ("aware", True)):
-        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, seed=0, **extra))
+        ctx = wh.init(wh.Config(cluster=spec, hardware_aware=aware, num_micro_batch=cfg.get("micro", 1), seed=0,
+                                **extra))
         engines[name] = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx,
                                        sample_batch=batch)
     engines["equal"].slowdown = engines["aware"].slowdown  # one emulated device per rank, one calibration
@@ -88,13 +93,15 @@ def _dp_engines(spec, cfg: dict, batch) -> dict:
 
 
 def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float):
-    """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run."""
+    """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run, with
+    the job's micro-batches per step (so its micro-batches have the rows this rank's have in the job)."""
     import whale as wh
     from whale.cluster import NodeSpec
     from whale.runtime.context import Context
 
     one = dataclasses.replace(spec, nodes=(NodeSpec((spec.devices()[rank],)),))
-    ctx1 = Context(wh.Config(cluster=one, seed=0), 0, 1, torch.device("cpu"), one)
+    ctx1 = Context(wh.Config(cluster=one, num_micro_batch=cfg.get("micro", 1), seed=0), 0, 1, torch.device("cpu"),
+                   one)
     alone = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx1)
     alone.slowdown = slowdown
     return alone
@@ -150,7 +157,7 @@ def _dp_rounds(engines: dict, alone, batch, rows: dict, rank: int, cfg: dict):
             dist.barrier()
             if r == rank:
                 for mode in ("idle_host", "idle_host_job_rows"):
-                    measured[mode] = _own_steps(alone, part[mode], k)
+                    measured[mode] = _own_steps(alone, part[mode], cfg.get("idle_k", k))
         dist.barrier()
         if i >= cfg["warmup"]:
             for key, t in measured.items():

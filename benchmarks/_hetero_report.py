@@ -8,23 +8,7 @@ BANNER = ("EMULATED heterogeneous cluster: CPU ranks imitate V100/P100 speed rat
 
 def report(res: dict) -> str:
     """The printed table (every line block says EMULATED)."""
-    lines = ["", "=" * 100, BANNER, "=" * 100, "",
-             "Data parallel (EMULATED): throughput in samples/s; ideal = sum of each device's standalone throughput",
-             "  on the rows it trains in the job, all devices at once; (equal rows) on batch/world rows, all at once;",
-             "  (idle host) on batch/world rows, one device at a time",
-             f"{'case':<6} {'devices':<20} {'equal':>7} {'aware':>7} {'ideal':>7} {'aware/ideal':>11} "
-             f"{'(equal rows)':>12} {'(idle host)':>11} {'speedup':>8} {'ideal sp.':>9} {'sp./ideal':>9}  "
-             "rows equal -> aware"]
-    for k, r in res["dp"].items():
-        devs = ",".join(n.split("-")[0] for n in r["devices"])
-        lines.append(f"{k:<6} {devs:<20} {r['equal']['throughput']:>7.1f} {r['aware']['throughput']:>7.1f} "
-                     f"{r['ideal_throughput']:>7.1f} {r['ratio_to_ideal']:>11.3f} "
-                     f"{r['ratio_to_ideal_equal_rows']:>12.3f} {r['ratio_to_ideal_idle_host']:>11.3f} "
-                     f"{r['speedup_over_equal']:>8.3f} {r['ideal_speedup']:>9.3f} "
-                     f"{r['fraction_of_ideal_speedup']:>9.3f}  {r['equal']['rows']} -> {r['aware']['rows']}")
-    lines.append("emulation check: standalone speed ratio fast/slow device measured "
-                 + ", ".join(f"{k} {r['speed_ratio_measured']:.3f}" for k, r in res["dp"].items())
-                 + f" vs declared {next(iter(res['dp'].values()))['speed_ratio_declared']:.3f}")
+    lines = ["", "=" * 100, BANNER, "=" * 100, ""] + _dp_lines(res)
     lines += ["", "Pipelines (EMULATED): 1F1B; speedup = uniform step time / hardware-aware step time",
               f"{'case':<5} {'stage devices':<22} {'uniform cut':<14} {'aware cut':<14} {'best cut':<14} "
               f"{'measured':>8} {'ideal':>7} {'fluid':>7} {'1F1B bound':>10} {'meas/ideal':>10} {'meas/bound':>10}"]
@@ -65,6 +49,30 @@ def report(res: dict) -> str:
     lines.append(f"  wall time {res['wall_s']:.0f} s on {res['cores']} cores, emulated as "
                  f"{res['config']['emulation_cores']} core(s)")
     return "\n".join(lines)
+
+
+
+def _dp_lines(res: dict) -> list[str]:
+    """The data-parallel block of :func:`report`."""
+    lines = ["Data parallel (EMULATED): throughput in samples/s; ideal = sum of each device's standalone throughput",
+             "  on the rows it trains in the job, all devices at once; (equal rows) on batch/world rows, all at once;",
+             "  (idle host) on batch/world rows, one device at a time",
+             f"  rows per step over {res['config'].get('dp_micro', 1)} micro-batch(es), one gradient all-reduce "
+             "per step",
+             f"{'case':<6} {'devices':<20} {'equal':>7} {'aware':>7} {'ideal':>7} {'aware/ideal':>11} "
+             f"{'(equal rows)':>12} {'(idle host)':>11} {'speedup':>8} {'ideal sp.':>9} {'sp./ideal':>9}  "
+             "rows equal -> aware"]
+    for k, r in res["dp"].items():
+        devs = ",".join(n.split("-")[0] for n in r["devices"])
+        lines.append(f"{k:<6} {devs:<20} {r['equal']['throughput']:>7.1f} {r['aware']['throughput']:>7.1f} "
+                     f"{r['ideal_throughput']:>7.1f} {r['ratio_to_ideal']:>11.3f} "
+                     f"{r['ratio_to_ideal_equal_rows']:>12.3f} {r['ratio_to_ideal_idle_host']:>11.3f} "
+                     f"{r['speedup_over_equal']:>8.3f} {r['ideal_speedup']:>9.3f} "
+                     f"{r['fraction_of_ideal_speedup']:>9.3f}  {r['equal']['rows']} -> {r['aware']['rows']}")
+    lines.append("emulation check: standalone speed ratio fast/slow device measured "
+                 + ", ".join(f"{k} {r['speed_ratio_measured']:.3f}" for k, r in res["dp"].items())
+                 + f" vs declared {next(iter(res['dp'].values()))['speed_ratio_declared']:.3f}")
+    return lines
 
 
 def plot(res: dict, path: str) -> None:

@@ -13,9 +13,10 @@ Cases, each in one launch of gloo ranks (``spawn``, one thread per rank), steps 
 (alternating order) so that machine noise hits the compared variants alike; medians over the measured rounds
 after warm-up (a data-parallel round times ``k`` back-to-back steps between barriers, as training runs):
 
-1. Data parallel on {V100, P100} (2 ranks, global batch 62) and {2 V100, 2 P100} (4 ranks, 124): equal
-   shares (``hardware_aware=False``) vs hardware-aware shares (37:25 per V100:P100 pair, 15.7:10.6 almost
-   exactly), and the ideal: the sum of each device's standalone throughput, measured in the same rounds by a
+1. Data parallel on {V100, P100} (2 ranks, micro-batches of 62 rows) and {2 V100, 2 P100} (4 ranks, 124),
+   4 micro-batches per step (gradient accumulation, one all-reduce per step): equal shares
+   (``hardware_aware=False``) vs hardware-aware shares (37:25 per V100:P100 pair, 15.7:10.6 almost exactly),
+   and the ideal: the sum of each device's standalone throughput, measured in the same rounds by a
    world-of-one engine on every rank (see :mod:`benchmarks._hetero_dp`): on the rows the device trains in the
    job, all devices at once (``dp_ratio_to_ideal``); on ``batch / world`` rows (``..._equal_rows``); and one
    device at a time on an otherwise idle host (``..._idle_host``). Ideal speedup of hardware-aware over equal
@@ -33,7 +34,7 @@ after warm-up (a data-parallel round times ``k`` back-to-back steps between barr
    FLOPS share (40 %), so FLOPS-proportional shares overflow it and the balancer (Algorithm 1) moves samples
    to the V100. Shows both share vectors, their memory need per device, and that the plan runs.
 
-    python benchmarks/heterogeneous.py --out benchmarks/results/heterogeneous.json   # ~5 min on 2 cores
+    python benchmarks/heterogeneous.py --out benchmarks/results/heterogeneous.json   # ~9 min on 2 cores
     python benchmarks/heterogeneous.py --quick --out /tmp/het.json                   # ~30 s, smoke test
 
 Writes JSON (``--out``) and a PNG with the same stem next to it.
@@ -74,15 +75,20 @@ from benchmarks._hetero_report import BANNER, plot, report  # noqa: E402
 from benchmarks._launch import launch as shared_launch  # noqa: E402
 
 FULL = {"dim": 64, "tokens": 256, "dp_dim": 256, "dp_tokens": 16, "dp_layers": 4, "dp_batch": 62,
-        "dp4_batch": 124, "dp_warmup": 2, "dp_rounds": 12, "dp_k": 3, "window_s": 1.2, "pp_layers": 20,
+        "dp4_batch": 124, "dp_micro": 4, "dp_warmup": 2, "dp_rounds": 8, "dp_k": 2, "dp_idle_k": 1,
+        "window_s": 3.0, "pp_layers": 20,
         "pp_micro": 16, "pp_micro_rows": 4, "pp_warmup": 1, "pp_rounds": 8, "mem_rounds": 4, "mem_slack": 0.05,
         "emulation_cores": max(1, (os.cpu_count() or 2) // 2)}
 """Full run. Data parallel: 4 pre-LN MLP blocks, d = 256, 16 tokens (2.1M parameters, 0.2 GFLOP per sample per
 step; on this host its time per sample moves little between 25 and 37 rows, unlike d = 64 with 256 tokens, whose
-activations straddle the 2 MiB L2). Pipelines and the memory case: d = 64, 256 tokens (33k parameters and
-50 MFLOP per sample per step per block)."""
+activations straddle the 2 MiB L2); 4 micro-batches of 62 (2 ranks) or 124 (4 ranks) rows per step, i.e.
+gradient accumulation as large-batch training runs: about 2.4k tokens per V100 per step, so the exposed
+gradient all-reduce (8.4 MB, ~10 ms on loopback gloo) is ~1.5 % of a step instead of ~5 % with one
+micro-batch (then the job reached 0.94-0.96 of the ideal). Pipelines and the memory case: d = 64, 256 tokens
+(33k parameters and 50 MFLOP per sample per step per block)."""
 QUICK = {"dim": 32, "tokens": 64, "dp_dim": 64, "dp_tokens": 16, "dp_layers": 2, "dp_batch": 62,
-         "dp4_batch": 124, "dp_warmup": 1, "dp_rounds": 3, "dp_k": 2, "window_s": 0.3, "pp_layers": 12,
+         "dp4_batch": 124, "dp_micro": 1, "dp_warmup": 1, "dp_rounds": 3, "dp_k": 2, "dp_idle_k": 2,
+         "window_s": 0.3, "pp_layers": 12,
          "pp_micro": 8, "pp_micro_rows": 2, "pp_warmup": 1, "pp_rounds": 2, "mem_rounds": 2, "mem_slack": 0.05,
          "emulation_cores": max(1, (os.cpu_count() or 2) // 2)}
 """Quick run: a smoke test of every case (numbers are dominated by per-step overhead)."""
@@ -183,14 +189,14 @@ def run(p: dict, log=print) -> dict:
     log(BANNER)
     t0 = time.perf_counter()
     common = {"tokens": p["tokens"], "dim": p["dim"], "layers": p["dp_layers"], "warmup": p["dp_warmup"],
-              "rounds": p["dp_rounds"], "k": p["dp_k"], "window_s": p["window_s"],
+              "rounds": p["dp_rounds"], "k": p["dp_k"], "idle_k": p["dp_idle_k"], "window_s": p["window_s"],
               "emulation_cores": p["emulation_cores"], "pin": True}
     dp = {}
     for key, spec, world, batch in (("dp2", "v100_p100_2.yaml", 2, p["dp_batch"]),
                                     ("dp4", "v100_p100_4.yaml", 4, p["dp4_batch"])):
         log(f"[{time.perf_counter() - t0:5.0f}s] data parallel, {world} ranks ({spec}) ...")
-        dp[key] = launch(dp_compare, world, {**common, "spec": spec, "batch": batch, "dim": p["dp_dim"],
-                                             "tokens": p["dp_tokens"]})
+        dp[key] = launch(dp_compare, world, {**common, "spec": spec, "batch": batch * p["dp_micro"],
+                                             "micro": p["dp_micro"], "dim": p["dp_dim"], "tokens": p["dp_tokens"]})
     for r in dp.values():
         dp_summary(r)
 

@@ -137,8 +137,12 @@ def test_emulated_device_stretches_segments_by_their_typical_cost():
         clock.now += cpu
         dev.wait("F", start, start, cpu)
         ends.append(clock.now - start)
-    # emulated duration = cpu + 2 x median of this key's last 3 CPU times: the wait does not copy the jitter
-    assert ends == pytest.approx([1.0 + 2 * 1.0, 1.3 + 2 * 1.15, 0.7 + 2 * 1.0, 1.0 + 2 * 1.0])
+    # emulated duration = (1 + 2) x median of this key's last 3 CPU times: the jitter is absorbed
+    assert ends == pytest.approx([3 * 1.0, 3 * 1.15, 3 * 1.0, 3 * 1.0])
+    start = clock.now  # a segment slower than 3x its median shows through (never ends before its compute)
+    clock.now += 5.0
+    dev.wait("F", start, start, 5.0)
+    assert clock.now - start == pytest.approx(5.0)
     start = clock.now  # another key keeps its own history
     clock.now += 0.1
     assert dev.wait(("B", (4, 8)), start, start, 0.1) == pytest.approx(0.2)

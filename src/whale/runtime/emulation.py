@@ -89,13 +89,15 @@ class EmulatedDevice:
     """Stretches this rank's compute segments to its declared device's speed (DESIGN.md §6).
 
     A segment that took ``c`` seconds of this thread's CPU time, begun at wall time ``w0``, is made to end at
-    ``w0 + c + slowdown * median(c over the last `window` segments with the same key)``: the real compute plus
-    an extra wait from the segment's typical cost. On average that is ``c * (1 + slowdown)``, but host jitter (a
-    VM's caches, interrupts) is not multiplied by ``1 + slowdown`` (4-6x under the oversubscription base): a
-    GPU's kernel times are steady, and synchronous data parallelism pays the slowest rank of every step, so
-    amplified jitter would be charged to the plan. Wall time a segment spends off the CPU (waiting for a core,
-    or in a blocking collective inside it, such as a split layer's all-reduce) is absorbed by the wait, so the
-    emulation under-counts blocking collectives inside segments. Keys name segments of equal work, e.g.
+    ``w0 + max(c, (1 + slowdown) * median(c over the last `window` segments with the same key))``: its typical
+    cost on this core times the device's relative slowness, and never before its real compute is done. Host
+    jitter (a VM's caches, interrupts, a neighbour's memory traffic) is absorbed by the wait instead of being
+    passed on, let alone multiplied by ``1 + slowdown`` (4-6x under the oversubscription base): a GPU's kernel
+    times are steady for a given shape, and synchronous data parallelism pays the slowest rank of every step, so
+    jitter would be charged to the plan. Only a segment slower than ``1 + slowdown`` times its median shows
+    through. Wall time a segment spends off the CPU (waiting for a core, or in a blocking collective inside it,
+    such as a split layer's all-reduce) is absorbed by the wait, so the emulation under-counts blocking
+    collectives inside segments. Keys name segments of equal work, e.g.
     ``(kind, input shapes and dtypes)``; the ``max_keys`` most recently used are kept.
 
     Work started from inside a segment (gradient all-reduces launched by backward hooks) is :meth:`defer`-red
@@ -145,7 +147,7 @@ class EmulatedDevice:
         while len(self._history) > self._max_keys:
             del self._history[next(iter(self._history))]
         hist.append(cpu_seconds)
-        total = cpu_seconds + self.slowdown * statistics.median(hist)
+        total = max(cpu_seconds, (1.0 + self.slowdown) * statistics.median(hist))
         slept = 0.0
         pending, self._pending = self._pending, []
         for cpu_at, fn in pending:
