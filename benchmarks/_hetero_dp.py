@@ -50,7 +50,9 @@ def dp_compare(rank: int, world: int, cfg: dict) -> dict | None:
     spec = load_spec(cfg["spec"])
     x, y = make_batch(cfg["batch"], cfg["tokens"], cfg["dim"])
     engines = _dp_engines(spec, cfg, (x, y))
-    alone = _standalone_engine(spec, cfg, rank, engines["aware"].slowdown)
+    # world-of-one engines: one for the all-at-once modes, one for the idle-host modes (each emulated device's
+    # wait follows the median of its own recent segments, so the two kinds of run must not share a history)
+    alone = {kind: _standalone_engine(spec, cfg, rank, engines["aware"].slowdown) for kind in ("together", "idle")}
     job, equal = rows_per_rank(engines["aware"].plan, cfg["batch"])[rank], cfg["batch"] // world
     rows = {"job_rows": job, "equal_rows": equal, "idle_host": equal, "idle_host_job_rows": job}
     times, alone_times = _dp_rounds(engines, alone, (x, y), rows, rank, cfg)
@@ -139,10 +141,11 @@ def _steps_until(engine, batch, window_s: float) -> float:
     return (end - start) / done
 
 
-def _dp_rounds(engines: dict, alone, batch, rows: dict, rank: int, cfg: dict):
+def _dp_rounds(engines: dict, alone: dict, batch, rows: dict, rank: int, cfg: dict):
     """Warm-up then measured rounds: ``k`` steps of every engine (alternating order), then the standalone
-    measurements of :data:`MODES`. Returns per-engine seconds per step and this rank's standalone seconds per
-    step by mode."""
+    measurements of :data:`MODES` (``alone["together"]`` all ranks at once for ``window_s``, then
+    ``alone["idle"]`` one rank at a time for ``idle_k`` steps, default ``k``). Returns per-engine seconds per
+    step and this rank's standalone seconds per step by mode."""
     part = {m: (batch[0][:rows[m]].contiguous(), batch[1][:rows[m]].contiguous()) for m in MODES}
     names, k = list(engines), cfg["k"]
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -152,12 +155,12 @@ def _dp_rounds(engines: dict, alone, batch, rows: dict, rank: int, cfg: dict):
         for name in names if i % 2 == 0 else names[::-1]:
             measured[name] = timed_steps(engines[name], batch, k)
         for mode in ("job_rows", "equal_rows"):
-            measured[mode] = _steps_until(alone, part[mode], cfg["window_s"])
+            measured[mode] = _steps_until(alone["together"], part[mode], cfg["window_s"])
         for r in range(dist.get_world_size()):
             dist.barrier()
             if r == rank:
                 for mode in ("idle_host", "idle_host_job_rows"):
-                    measured[mode] = _own_steps(alone, part[mode], cfg.get("idle_k", k))
+                    measured[mode] = _own_steps(alone["idle"], part[mode], cfg.get("idle_k", k))
         dist.barrier()
         if i >= cfg["warmup"]:
             for key, t in measured.items():

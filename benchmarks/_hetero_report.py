@@ -51,7 +51,6 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
-
 def _dp_lines(res: dict) -> list[str]:
     """The data-parallel block of :func:`report`."""
     lines = ["Data parallel (EMULATED): throughput in samples/s; ideal = sum of each device's standalone throughput",

@@ -36,6 +36,7 @@ after warm-up (a data-parallel round times ``k`` back-to-back steps between barr
 
     python benchmarks/heterogeneous.py --out benchmarks/results/heterogeneous.json   # ~9 min on 2 cores
     python benchmarks/heterogeneous.py --quick --out /tmp/het.json                   # ~30 s, smoke test
+    python benchmarks/heterogeneous.py --dp-micro 1 --out /tmp/het1.json             # one micro-batch per step
 
 Writes JSON (``--out``) and a PNG with the same stem next to it.
 """
@@ -84,8 +85,10 @@ step; on this host its time per sample moves little between 25 and 37 rows, unli
 activations straddle the 2 MiB L2); 4 micro-batches of 62 (2 ranks) or 124 (4 ranks) rows per step, i.e.
 gradient accumulation as large-batch training runs: about 2.4k tokens per V100 per step, so the exposed
 gradient all-reduce (8.4 MB, ~10 ms on loopback gloo) is ~1.5 % of a step instead of ~5 % with one
-micro-batch (then the job reached 0.94-0.96 of the ideal). Pipelines and the memory case: d = 64, 256 tokens
-(33k parameters and 50 MFLOP per sample per step per block)."""
+micro-batch (``--dp-micro 1``; then the job reached 0.94-0.96 of the ideal). ``dp_k`` steps per job per round
+between barriers; the standalone ideal runs ``window_s`` seconds with all ranks at once and ``dp_idle_k`` steps
+per rank alone. Pipelines and the memory case: d = 64, 256 tokens (33k parameters and 50 MFLOP per sample per
+step per block)."""
 QUICK = {"dim": 32, "tokens": 64, "dp_dim": 64, "dp_tokens": 16, "dp_layers": 2, "dp_batch": 62,
          "dp4_batch": 124, "dp_micro": 1, "dp_warmup": 1, "dp_rounds": 3, "dp_k": 2, "dp_idle_k": 2,
          "window_s": 0.3, "pp_layers": 12,
@@ -258,8 +261,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model, few steps (~30 s): a smoke test")
     ap.add_argument("--out", default=None, help="write the results as JSON here (and a PNG next to it)")
+    ap.add_argument("--dp-micro", type=int, default=None,
+                    help="micro-batches per data-parallel step (gradient accumulation; default 4, --quick 1)")
     args = ap.parse_args()
-    res = run(QUICK if args.quick else FULL)
+    params = dict(QUICK if args.quick else FULL)
+    if args.dp_micro is not None:
+        if args.dp_micro < 1:
+            ap.error(f"--dp-micro must be >= 1, got {args.dp_micro}")
+        params["dp_micro"] = args.dp_micro
+    res = run(params)
     res["quick"] = args.quick
     print(report(res))
     if args.out:

@@ -103,7 +103,7 @@ def test_emulation_cores_reads_the_environment_and_names_bad_values(monkeypatch)
     assert emulation_cores() == 1.5
     spec = _spec("V100-32GB", "V100-32GB", "V100-32GB", emulate=True)
     assert emulation_slowdown(spec, 0, 3) == pytest.approx(1.0)  # 3 ranks on 1.5 cores: base 2
-    for bad in ("abc", "0", "-2"):
+    for bad in ("abc", "0", "-2", "1e-9", "inf", "nan"):
         monkeypatch.setenv("WHALE_EMULATION_CORES", bad)
         with pytest.raises(ValueError, match="WHALE_EMULATION_CORES"):
             emulation_cores()
@@ -205,3 +205,20 @@ def test_whale_plan_bad_input_is_one_line(capsys, tmp_path):
     rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "not a multiple of 2" in err
+
+
+def test_an_emulated_device_as_fast_as_its_core_still_gets_steady_times():
+    def engine(spec):
+        ctx = wh.Context(wh.Config(cluster=spec), 0, 1, torch.device("cpu"), spec)
+        return wh.parallelize(TinyLM(), torch.nn.functional.cross_entropy, torch.optim.SGD, ctx=ctx)
+
+    fastest = engine(_spec("V100-32GB", emulate=True))  # world of one on >= 1 core: slowdown 0, still emulated
+    assert fastest.slowdown == 0.0 and fastest.grad_sync.scheduler is not None
+    real = engine(_spec("V100-32GB"))
+    assert real.slowdown is None and real.grad_sync.scheduler is None
+    real.slowdown = 0.5
+    assert real.slowdown == 0.5
+    real.slowdown = None
+    assert real.slowdown is None
+    with pytest.raises(ValueError, match="slowdown must be >= 0"):
+        real.slowdown = -1.0

@@ -83,33 +83,34 @@ class Engine:
                                              split_params)
 
     @property
-    def slowdown(self) -> float:
-        """Emulation only: this rank's extra wait per second of compute (0 on real hardware). Setting it
-        restarts the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`).
+    def slowdown(self) -> float | None:
+        """Emulation only: this rank's extra wait per second of compute; ``None`` when not emulating (real
+        hardware). 0 is an emulated device as fast as this core, with steady segment times. Setting it restarts
+        the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`).
 
         Raises:
             ValueError: a negative value.
         """
-        return self._emulator.slowdown if self._emulator is not None else 0.0
+        return self._emulator.slowdown if self._emulator is not None else None
 
     @slowdown.setter
-    def slowdown(self, value: float) -> None:
-        """Set the extra wait per second of compute (>= 0; 0 turns emulation off) and start a fresh emulated
-        device, which also schedules this rank's gradient all-reduces.
+    def slowdown(self, value: float | None) -> None:
+        """Set the extra wait per second of compute (>= 0; ``None`` turns emulation off) and start a fresh
+        emulated device, which also schedules this rank's gradient all-reduces.
 
         Raises:
             ValueError: a negative value.
         """
-        if value < 0:
+        if value is not None and value < 0:
             raise ValueError(f"slowdown must be >= 0 (extra seconds per second of compute), got {value}")
-        self._emulator = EmulatedDevice(value) if value > 0 else None
+        self._emulator = EmulatedDevice(value) if value is not None else None
         self.grad_sync.scheduler = self._emulator  # bucket all-reduces start at their emulated times
 
-    def _emulation(self, ctx: Context) -> float:
+    def _emulation(self, ctx: Context) -> float | None:
         """Under an emulated cluster, this rank's slowdown, calibrated to the real speed of every rank's core
-        (collective); 0 otherwise."""
+        (collective); ``None`` otherwise."""
         if ctx.cluster is None or not ctx.cluster.emulate:
-            return 0.0
+            return None
         if ctx.world_size == 1:
             return emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
         times = [None] * ctx.world_size
