@@ -94,7 +94,7 @@ def _dp_engines(spec, cfg: dict, batch) -> dict:
     return engines
 
 
-def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float):
+def _standalone_engine(spec, cfg: dict, rank: int, slowdown: float | None):
     """A world-of-one engine on this rank's device type, slowed like the rank is in the multi-rank run, with
     the job's micro-batches per step (so its micro-batches have the rows this rank's have in the job)."""
     import whale as wh

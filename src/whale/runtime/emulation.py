@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import statistics
 import time
 
 from whale.cluster import ClusterSpec, emulation_delays
@@ -140,9 +142,6 @@ class EmulatedDevice:
     def wait(self, key, wall0: float, cpu0: float, cpu_seconds: float) -> float:
         """Sleep until the emulated end of a segment begun at wall time ``wall0`` and CPU time ``cpu0`` that took
         ``cpu_seconds`` of CPU, running deferred work at its emulated times. Returns the seconds slept."""
-        import collections
-        import statistics
-
         hist = self._history.pop(key, None) or collections.deque(maxlen=self._window)
         self._history[key] = hist  # most recently used last
         while len(self._history) > self._max_keys:
