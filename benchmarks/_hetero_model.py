@@ -54,7 +54,7 @@ def _sgd(params):
 # --- analysis (no processes) ---------------------------------------------------------------------------------
 def layer_profile(dim: int, layers: int, tokens: int):
     """Per-block forward/backward FLOPs per sample and the rest (loss), from Whale's fake-tensor profiler."""
-    from whale.runtime import hwplan
+    from whale.frontend import hwplan
 
     model = TokenMLP(dim, layers)
     prof = hwplan.profile(model, make_batch(2, tokens, dim))
@@ -95,8 +95,8 @@ def best_cut(fwd, bwd, rest_f, rest_b, speeds) -> list[int]:
 
 def simulate_1f1b(fwd_t: list[float], bwd_t: list[float], m: int) -> float:
     """Makespan of a 1F1B step with per-stage forward/backward seconds per micro-batch, communication free
-    (Whale's own event simulator, :func:`whale.parallel.schedule.simulate`)."""
-    from whale.parallel.schedule import make_schedule, simulate
+    (Whale's own event simulator, :func:`whale.plan.schedule.simulate`)."""
+    from whale.plan.schedule import make_schedule, simulate
 
     return simulate(make_schedule("1F1B", len(fwd_t), m), list(fwd_t), list(bwd_t))["step"]
 

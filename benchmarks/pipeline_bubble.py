@@ -56,7 +56,7 @@ class Pipe(nn.Module):
 
 def _worker(rank, world, args):
     import whale as wh
-    from whale.parallel.schedule import make_schedule, simulate
+    from whale.plan.schedule import bubble_fraction, make_schedule, simulate
 
     results = []
     for schedule in ("1F1B", "GPipe"):
@@ -80,7 +80,7 @@ def _worker(rank, world, args):
             if rank == 0:
                 sim = simulate(make_schedule(schedule, world, m), [g[1] for g in gathered], [g[2] for g in gathered])
                 results.append({"schedule": schedule, "micro_batches": m, "stages": world,
-                                "idle_share": [g[0] for g in gathered], "theory": (world - 1) / (m + world - 1),
+                                "idle_share": [g[0] for g in gathered], "theory": bubble_fraction(world, m),
                                 "fwd_s": [g[1] for g in gathered], "bwd_s": [g[2] for g in gathered],
                                 "simulated_idle_share": sim["idle_share"]})
     return results

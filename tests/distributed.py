@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 
@@ -54,7 +55,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> list:
                 results[rank] = payload
         except Exception as exc:
             if not isinstance(exc, RuntimeError):
-                exc = RuntimeError(f"distributed test timed out after {timeout}s (got ranks {sorted(results)})")
+                what = f"timed out after {timeout}s" if isinstance(exc, queue_mod.Empty) else f"failed: {exc!r}"
+                exc = RuntimeError(f"distributed test {what} (got ranks {sorted(results)})")
             for p in procs:
                 p.kill()
             raise exc from None

@@ -109,3 +109,33 @@ class SkipLM(nn.Module):
         t = idx.size(1)
         x = self.c(x + h) / t
         return self.head(x)
+
+
+class PipeWithSplit(nn.Module):
+    """Two stages of width 2: stage 0 an embedding and a block, stage 1 a split MLP (column then row) nested in
+    its replicate, a block and a head (tied to the embedding with ``tied``). On 4 ranks: 2 stages x 2
+    data-parallel lanes, the MLP split over the lanes."""
+
+    def __init__(self, vocab=16, d=8, tied=False):
+        super().__init__()
+        with wh.replicate(2):
+            self.emb = nn.Embedding(vocab, d)
+            self.block0 = Block(d)
+        with wh.replicate(2):
+            with wh.split(2):
+                self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            self.block1 = Block(d)
+            self.head = nn.Linear(d, vocab)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.block0(self.emb(idx))
+        x = x + self.mlp(x)
+        return self.head(self.block1(x))
+
+
+def tied_pipe_with_split(seed: int = 0) -> PipeWithSplit:
+    """Factory for ``whale plan --model tests.models:tied_pipe_with_split`` (same weights for a seed)."""
+    torch.manual_seed(seed)
+    return PipeWithSplit(tied=True)

@@ -9,6 +9,7 @@ from torch import nn
 import whale as wh
 from tests.models import TinyLM
 from whale.annotation import tensor_scopes
+from whale.plan.plan import NestedScope
 
 
 def test_scopes_tag_parameters_and_tied_weights_keep_the_first_tag():
@@ -22,9 +23,9 @@ def test_scopes_tag_parameters_and_tied_weights_keep_the_first_tag():
 def test_plan_of_a_pipeline_lists_modules_per_stage_and_tied_weights():
     plan = wh.plan_model(TinyLM(stage_layers=(1, 2)), world_size=4, config=wh.Config(num_micro_batch=2))
     assert plan.num_stages == 2 and plan.num_replicas == 2
-    assert plan.task_graphs[0].modules == ["pos", "emb", "blocks.0"]
-    assert plan.task_graphs[1].modules == ["blocks.1", "blocks.2", "ln", "head"]
-    assert plan.shared_params == [["emb.weight", "head.weight"]]
+    assert plan.task_graphs[0].modules == ("pos", "emb", "blocks.0")
+    assert plan.task_graphs[1].modules == ("blocks.1", "blocks.2", "ln", "head")
+    assert [(sp.names, sp.stages) for sp in plan.shared_params] == [(("emb.weight", "head.weight"), (0, 1))]
 
 
 def test_no_annotation_means_replicate_over_all_devices():
@@ -66,7 +67,7 @@ def test_split_inside_replicate_is_recorded_as_nested():
 
     plan = wh.plan_model(M(), world_size=2)
     nested = plan.task_graphs[0].nested
-    assert nested == [{"kind": "split", "device_count": 2, "modules": ["head"]}]
+    assert nested == (NestedScope("split", 2, ("head",)),)
     assert "nested split(2): head" in str(plan)
 
 
@@ -76,7 +77,7 @@ def test_split_over_one_device_is_the_module_itself():
     assert wh.plan_model(model, 1).task_graphs[0].kind == "split"
     ctx = wh.init(wh.Config())
     engine = wh.parallelize(model, nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
-    assert engine.regions == [] and engine.module is model
+    assert engine.split.regions == [] and engine.module is model
     x = torch.randn(4, 4)
     assert engine.step((x, x))["loss"] > 0
 
@@ -85,8 +86,8 @@ def test_annotate_maps_patterns_onto_an_unedited_model():
     model = TinyLM(stage_layers=(3,))
     wh.annotate(model, {"blocks.0": wh.replicate(1), "blocks.[12]": wh.replicate(1)})
     plan = wh.plan_model(model, world_size=2, config=wh.Config(num_micro_batch=2))
-    assert plan.task_graphs[0].modules == ["pos", "emb", "blocks.0"]
-    assert plan.task_graphs[1].modules == ["blocks.1", "blocks.2", "ln", "head"]
+    assert plan.task_graphs[0].modules == ("pos", "emb", "blocks.0")
+    assert plan.task_graphs[1].modules == ("blocks.1", "blocks.2", "ln", "head")
 
 
 def test_annotate_pattern_that_matches_nothing():

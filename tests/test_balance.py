@@ -1,4 +1,5 @@
-"""Intra-TaskGraph balancing (DESIGN.md §5, paper Algorithm 1): property tests against brute force."""
+"""Intra-TaskGraph balancing (Whale paper, Jia et al., USENIX ATC 2022, §3.3, Algorithm 1): property tests
+against brute force."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Cluster spec, catalog, emulation helpers and the analytic cost model (DESIGN.md §6, §7; issue 4)."""
+"""Cluster spec, catalog, emulation helpers (CPU ranks imitating declared GPUs) and the analytic cost model
+(ring all-reduce 2(n-1)/n x S, bubble (p-1)/(m+p-1); issue 4)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from whale.cluster import (
     homogeneous_cpu,
     memory_capacity,
 )
-from whale.plan import cost
+from whale.plan import cost, schedule
 
 MIXED_YAML = """
 emulate: true
@@ -188,16 +189,16 @@ def test_cost_model_formulas():
     assert cost.ring_allreduce_time(1e9, 4, 1e9, latency=1e-3) == pytest.approx(1.5 + 6e-3)
     assert cost.ring_allgather_time(1e9, 4, 1e9) == pytest.approx(0.75)
     assert cost.p2p_time(1e6, 1e9, latency=1e-5) == pytest.approx(1e-3 + 1e-5)
-    assert [cost.in_flight_micro_batches(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
-    assert [cost.in_flight_micro_batches(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
-    assert cost.in_flight_micro_batches(3, 4, 8, "GPipe") == 8
-    assert cost.pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert [schedule.in_flight_micro_batches(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [schedule.in_flight_micro_batches(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert schedule.in_flight_micro_batches(3, 4, 8, "GPipe") == 8
+    assert schedule.bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert cost.memory_per_device(100, 100, 200, activation_bytes=10, in_flight=3, buffer_bytes=5) == 435
     assert cost.memory_per_device(100, 100, 200, zero_degree=4) == 250
     assert cost.memory_per_device(100, 100, 200, zero_degree=4, zero_stage=3) == 100
     assert cost.utilization([1.0, 2.0, 0.5]) == [0.5, 1.0, 0.25]
     for bad in (lambda: cost.compute_time(-1, v100), lambda: cost.ring_allreduce_time(1, 0, 1),
-                lambda: cost.p2p_time(1, 0), lambda: cost.in_flight_micro_batches(4, 4, 1),
+                lambda: cost.p2p_time(1, 0), lambda: schedule.in_flight_micro_batches(4, 4, 1),
                 lambda: cost.memory_per_device(1, 1, 1, zero_stage=4), lambda: cost.compute_time(1, v100, 0.0)):
         with pytest.raises(ValueError):
             bad()

@@ -101,12 +101,12 @@ def test_gradient_accumulation_single_process():
 def test_tied_weights_across_stages_stay_identical():
     results = _check(2, {"layers": (1, 1), "batch": 4, "mb": 2, "tied": True, "steps": 4})
     plan = wh.Plan.from_json(results[0]["plan"])
-    assert plan.shared_params == [["emb.weight", "head.weight"]]
+    assert [sp.names for sp in plan.shared_params] == [("emb.weight", "head.weight")]
 
 
 def test_untied_pipeline():
     results = _check(2, {"layers": (1, 1), "batch": 4, "mb": 2, "tied": False})
-    assert wh.Plan.from_json(results[0]["plan"]).shared_params == []
+    assert wh.Plan.from_json(results[0]["plan"]).shared_params == ()
 
 
 MIXED = {"nodes": [{"devices": ["P100-16GB", "V100-32GB"]}, {"devices": ["T4", "V100-32GB"]}]}
@@ -118,7 +118,7 @@ def test_hardware_aware_uneven_cuts_and_shares_match_one_process():
     spec = ClusterSpec.from_dict(MIXED)
     results = _check(4, {"layers": (2, 2), "batch": 16, "mb": 2, "cluster": spec})
     plan = wh.Plan.from_json(results[0]["plan"])
-    assert plan.device_order and plan.stage_layers  # reordered devices and a planner-made cut
+    assert plan.device_order and plan.stage_cuts[0].units  # reordered devices and a planner-made cut
     assert len(set(plan.lane_weights)) > 1  # lanes (V100+P100 vs V100+T4) get different shares
 
 

@@ -36,7 +36,8 @@ def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
     shutil.copy(ROOT / "tests/data/tempest_gut.txt", texts)
     (texts / ".complete").touch()
     out = _run(tmp_path, "--steps", "6")
-    assert "Whale plan: world 4 = 2 replica(s)" in out and "EMULATED" in out and "V100-32GB" in out
+    assert "Whale plan: 4 rank(s) = 2 pipeline stages of 1 device(s) x 2 replicas" in out
+    assert "EMULATED" in out and "V100-32GB" in out
     assert "bubble report" in out and "held-out loss" in out
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["steps"] == 6 and first["final_val_loss"] < first["initial_val_loss"]

@@ -29,17 +29,17 @@ def test_data_parallel_shares_follow_device_speed():
     plan = wh.plan_model(TinyLM(), 4, wh.Config(cluster=spec))
     w = plan.lane_weights
     assert w[0] / w[1] == pytest.approx(15.7 / 10.6)
-    assert plan.devices == ["V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB"]
+    assert plan.devices == ("V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB")
     assert plan.predicted_utilization == pytest.approx([1.0] * 4)
     text = str(plan)
-    assert "EMULATED" in text and "V100-32GB" in text and "pred. util" in text
+    assert "EMULATED" in text and "V100-32GB" in text and "busy: predicted share" in text
     assert wh.Plan.from_json(plan.to_json()) == plan
 
 
 def test_hardware_aware_off_keeps_equal_shares():
     spec = _spec("V100-32GB", "P100-16GB")
     plan = wh.plan_model(TinyLM(), 2, wh.Config(cluster=spec, hardware_aware=False))
-    assert plan.lane_weights == [1.0, 1.0] and plan.devices == []
+    assert plan.lane_weights == (1.0, 1.0) and plan.devices == ()
 
 
 def test_pipeline_orders_devices_by_memory_and_cuts_by_speed():
@@ -48,8 +48,8 @@ def test_pipeline_orders_devices_by_memory_and_cuts_by_speed():
     uniform = wh.plan_model(model, 2, wh.Config(num_micro_batch=4, cluster=spec, hardware_aware=False))
     aware = wh.plan_model(model, 2, wh.Config(num_micro_batch=4, cluster=spec), sample_batch=_batch())
     assert uniform.coords(0) == (0, 0)
-    assert aware.device_order == [1, 0] and aware.coords(1) == (0, 0)
-    first = aware.stage_layers[0]
+    assert aware.device_order == (1, 0) and aware.coords(1) == (0, 0)
+    first = aware.stage_cuts[0].units
     assert sum(name.startswith("blocks.") for name in first) > 3  # the faster V100 takes more blocks
     assert aware.stage_flops[0] > aware.stage_flops[1]
 
@@ -60,10 +60,10 @@ def test_memory_model_moves_load_off_a_small_device():
     fast_only = MemoryModel(global_batch=100, fixed_bytes=[1e9], per_sample_bytes=[1e8])
     # FLOPS-proportional would give the P100 ~40 samples = 5 GB; it has 16 GB -> fits
     plan = apply_hardware(base, spec, fast_only)
-    assert plan.lane_weights == [60.0, 40.0]
+    assert plan.lane_weights == (60.0, 40.0)
     tight = MemoryModel(global_batch=100, fixed_bytes=[1e9], per_sample_bytes=[4e8])
     plan = apply_hardware(base, spec, tight)  # P100 holds (16e9-1e9)/4e8 = 37 samples at most
-    assert plan.lane_weights == [63.0, 37.0]
+    assert plan.lane_weights == (63.0, 37.0)
 
 
 def test_infeasible_memory_names_rank_and_bytes():

@@ -1,4 +1,5 @@
-"""Inter-TaskGraph (pipeline) balancing (DESIGN.md §5): exact contiguous cuts, checked against brute force."""
+"""Inter-TaskGraph (pipeline) balancing (Whale paper, Jia et al., USENIX ATC 2022, §3.3): exact contiguous cuts,
+checked against brute force."""
 
 from __future__ import annotations
 

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import whale as wh
-from whale.plan.plan import Plan, PlanError, TaskGraph, apportion
+from whale.plan.balance import proportional_shares
+from whale.plan.plan import NestedScope, Plan, PlanError, SharedParam, StageCut, TaskGraph
 from whale.plan.planner import TaskGraphSummary, make_plan
 
 
 def _plan(counts=(1, 1), world=4, **cfg):
-    tgs = [TaskGraphSummary("replicate", c, [f"m{i}"], 10) for i, c in enumerate(counts)]
+    tgs = [TaskGraphSummary("replicate", c, (f"m{i}",), 10) for i, c in enumerate(counts)]
     return make_plan(tgs, world, wh.Config(**cfg))
 
 
 @given(st.integers(0, 10_000), st.lists(st.floats(0.01, 100), min_size=1, max_size=16))
 def test_apportion_is_exact_and_proportional(total, weights):
-    shares = apportion(total, weights)
+    shares = proportional_shares(total, weights)
     assert sum(shares) == total
     wsum = sum(weights)
     for s, w in zip(shares, weights, strict=True):
@@ -46,7 +49,54 @@ def test_json_round_trip_and_printout():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     text = str(plan)
-    assert "world 4 = 2 replica(s)" in text and "schedule 1F1B" in text and "lane 0: 75.0%" in text
+    assert "4 rank(s) = 2 pipeline stages of 1 device(s) x 2 replicas" in text and "schedule 1F1B" in text
+    assert "lane 0: 75.0%" in text
+
+
+def _full_plan() -> Plan:
+    nested = NestedScope("split", None, ("blocks.1.mlp",), (2.0, 1.0))
+    tgs = (TaskGraph(0, "replicate", 2, ("emb", "blocks.0"), 100),
+           TaskGraph(1, "replicate", 2, ("blocks.1", "head"), 50, (nested,)))
+    cuts = (StageCut(("emb", "blocks_0"), ("emb.weight",), (), ("emb", "blocks.0")),
+            StageCut(("blocks_1", "head"), ("head.weight",), ("blocks.1.ln.running",)))
+    return Plan(8, tgs, 2, 4, "GPipe", (1.0, 2.0, 3.0, 4.0), (SharedParam(("emb.weight", "head.weight"), (0, 1)),),
+                cuts, ("blocks.1.mlp",), False, tuple(range(7, -1, -1)), ("V100-32GB",) * 8, (1.0,) * 8,
+                (10.0, 20.0), ("a note",))
+
+
+def test_every_field_round_trips_through_json_and_the_plan_is_frozen():
+    plan = _full_plan()
+    assert Plan.from_json(plan.to_json()) == plan
+    assert isinstance(Plan.from_json(plan.to_json()).task_graphs[1].nested[0], NestedScope)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.lane_weights = (1.0,) * 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.task_graphs[0].kind = "split"
+    changed = dataclasses.replace(plan, lane_weights=(1.0,) * 4)
+    assert changed.lane_weights == (1.0,) * 4 and plan.lane_weights == (1.0, 2.0, 3.0, 4.0)
+
+
+def test_json_with_unknown_fields_or_kinds_is_refused():
+    data = _full_plan().to_dict()
+    with pytest.raises(PlanError, match=r"unknown fields \['zzz'\]"):
+        Plan.from_dict({**data, "zzz": 1})
+    data["task_graphs"][0]["kind"] = "shard"
+    with pytest.raises(PlanError, match="kind 'shard' is unknown"):
+        Plan.from_dict(data)
+    with pytest.raises(PlanError, match="not a JSON plan"):
+        Plan.from_json("{")
+
+
+def test_printout_names_the_parallelism_and_defines_its_columns():
+    split_only = make_plan([TaskGraphSummary("split", None, ("fc",), 10)], 2, wh.Config())
+    assert "split over 2 device(s)" in str(split_only) and "data parallel" not in str(split_only)
+    pipeline = _plan((1, 1), world=2, num_micro_batch=2)
+    assert "lane 0" not in str(pipeline)
+    dp = _plan((2,), world=2)
+    assert "2-way data parallel" in str(dp) and "replicas" not in str(dp)
+    text = str(_full_plan())
+    assert "busy: predicted share of the step" in text and "emb.weight = head.weight" in text
+    assert "TG 1 nested split shard shares: 66.7%  33.3%" in text
 
 
 def test_device_counts_that_do_not_fit_the_world():
@@ -84,8 +134,8 @@ def test_validation_on_load():
 
 
 def test_task_graph_is_plain_data():
-    tg = TaskGraph(0, "replicate", 2, ["blocks"], 5)
-    assert Plan(2, [tg], 1).task_graphs[0] == tg
+    tg = TaskGraph(0, "replicate", 2, ("blocks",), 5)
+    assert Plan(2, (tg,), 1).task_graphs[0] == tg
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from whale.profile import (
+from whale.frontend.profile import (
     CPU_SDPA_FLOP_FORMULAS,
     InputSpec,
     ProfileError,
@@ -197,7 +197,7 @@ def test_errors(gpt):
 def test_global_registration_is_idempotent_and_counts_cpu_sdpa():
     from torch.utils import flop_counter
 
-    from whale.profile import register_cpu_sdpa_flop_formulas
+    from whale.frontend.profile import register_cpu_sdpa_flop_formulas
 
     before = dict(flop_counter.flop_registry)
     q = torch.randn(1, 2, 8, 4)

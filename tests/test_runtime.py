@@ -66,7 +66,7 @@ def _plan_mismatch(rank, world, ckpt_dir):
 def test_checkpoint_from_another_plan_is_refused(tmp_path):
     for msg, restored in run_ranks(_plan_mismatch, 2, str(tmp_path / "c")):
         assert "different plan" in msg and "num_micro_batch" in msg
-        assert restored == [1.0, 1.0]
+        assert restored == (1.0, 1.0)
 
 
 def _step_errors(rank, world):
@@ -109,19 +109,25 @@ def test_metrics_eval_and_stage_stats():
 
 
 def _rebalance(rank, world):
-    from whale.cluster import ClusterSpec
+    from whale.runtime.stats import StepTiming
 
-    slow = {"name": "Slow", "fp32_flops": 5e12, "bf16_flops": 1e13, "memory_bytes": 16e9, "mem_bandwidth": 3e11}
-    spec = ClusterSpec.from_dict({"emulate": True, "nodes": [{"devices": ["V100-32GB", slow]}]})
-    # plan as if both were V100s (hardware_aware off): equal shares on unequal devices, then re-balance
-    ctx = wh.init(wh.Config(cluster=spec, hardware_aware=False, rebalance_after=3))
+    ctx = wh.init(wh.Config(rebalance_after=1))
     eng = _engine(ctx, layers=(2,))
-    for b in lm_batches(4, 16):
-        eng.step(b)
-    return eng.plan.lane_weights, eng.plan.notes
+    first = eng.plan
+    eng.step(lm_batches(1, 16)[0])  # rebalance_after=1: re-planned from the measured step, whatever it measured
+    automatic = eng.plan
+    per_row = [0.01, 0.03][rank]  # injected timings: lane 0 is three times as fast as lane 1
+    for rows, slow in ((8, 1), (8, 1), (8, 10), (8, 1)):  # one outlier step (10x): the median ignores it
+        eng.history.record(StepTiming(busy=per_row * rows * slow, schedule=1.0, rows=rows))
+    measured = eng.rebalance()
+    step = eng.step(lm_batches(1, 16)[0])
+    return first, automatic, measured, step
 
 
 def test_rebalance_moves_rows_to_the_measured_faster_device():
-    (weights, notes), _ = run_ranks(_rebalance, 2)
-    assert weights[0] / weights[1] > 2.0  # declared 15.7 vs 5 TFLOPS (3.1x); measured times decide
-    assert any("re-balanced" in n for n in notes)
+    (first, automatic, measured, step), _ = run_ranks(_rebalance, 2)
+    assert first.lane_weights == (1.0, 1.0) and "re-balanced" not in " ".join(first.notes)  # never mutated
+    assert any("re-balanced" in n for n in automatic.notes)
+    assert measured.lane_weights[0] / measured.lane_weights[1] == pytest.approx(3.0)
+    assert measured.micro_batch_rows(16) == [[(0, 12)], [(12, 16)]]
+    assert step["loss"] > 0

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from whale.parallel.schedule import (
+from whale.plan.schedule import (
     Action,
     ScheduleError,
     bubble_fraction,

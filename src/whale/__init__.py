@@ -8,18 +8,29 @@ Public API::
         ...build the first stage's modules...
     engine = wh.parallelize(model, loss_fn=..., optimizer=lambda ps: torch.optim.AdamW(ps))
     metrics = engine.step((inputs, targets))
+
+Planning names (annotations, ``Config``, ``Plan``, ``plan_model``) load eagerly; the runtime's names (``init``,
+``parallelize``, ``Engine``, the split losses) load on first use, so that making or printing a plan never
+imports :mod:`whale.runtime` or :mod:`whale.parallel`.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from whale.annotation import AnnotationError, annotate, replicate, set_default_strategy, split
 from whale.config import Config, ConfigError
-from whale.parallel.bridge import ShardedLogits, accuracy, cross_entropy
-from whale.parallel.schedule import ScheduleError, make_schedule
-from whale.parallel.split import SplitError, register_split_rule
-from whale.parallel.stages import StageError
+from whale.frontend import plan_model
+from whale.frontend.graph import StageError
 from whale.plan.plan import Plan, PlanError
-from whale.runtime.context import Context, init
-from whale.runtime.engine import Engine
-from whale.runtime.parallelize import parallelize, plan_model
+from whale.plan.schedule import ScheduleError, make_schedule
+
+_LAZY = {
+    "Context": "whale.runtime.context", "init": "whale.runtime.context", "Engine": "whale.runtime.engine",
+    "parallelize": "whale.runtime.parallelize", "ShardedLogits": "whale.parallel.bridge",
+    "accuracy": "whale.parallel.bridge", "cross_entropy": "whale.parallel.bridge",
+    "SplitError": "whale.parallel.split", "register_split_rule": "whale.parallel.split",
+}
 
 __all__ = [
     "AnnotationError", "Config", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
@@ -27,3 +38,16 @@ __all__ = [
     "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Load a runtime name on first use (PEP 562)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'whale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,5 @@
-"""Annotation primitives ``replicate`` and ``split`` and the TaskGraphs they record (DESIGN.md §4).
+"""Annotation primitives ``replicate`` and ``split`` and the TaskGraphs they record (Whale paper, Jia et al.,
+"Whale: Efficient Giant Model Training over Heterogeneous GPUs", USENIX ATC 2022, §3.1-3.2).
 
 A scope tags every parameter and buffer *registered while it is active* (that is, created by modules
 constructed inside the ``with`` block) with the scope. The tag lives on the owning module
@@ -87,7 +88,15 @@ def replicate(device_count: int | None = None) -> Scope:
 
 def split(device_count: int | None = None) -> Scope:
     """Operator sharding for the modules built inside: their parameters and work are cut along one dimension
-    across the VD's devices. Recorded in the plan; its runtime is a later issue.
+    across the VD's devices (Megatron-LM style, Shoeybi et al. 2019; shards may be uneven).
+
+    At run time each rank holds its shard (:func:`whale.parallel.split.shard_module`): an ``nn.Linear`` is
+    sharded by output features (a lone Linear, such as a classification head, keeps class-sharded logits for
+    :func:`whale.cross_entropy`), Linear -> elementwise -> Linear runs as a column- then row-sharded pair, and
+    an ``nn.Embedding`` by vocabulary; other modules with parameters need a rule
+    (:func:`whale.parallel.split.register_split_rule`). Shard sizes come from the plan (proportional to device
+    FLOPS within memory on mixed clusters). The split group gathers the rows of its replicate neighbours'
+    micro-batch at the boundary and hands each rank its own rows back (:mod:`whale.parallel.bridge`).
 
     Raises:
         AnnotationError: ``device_count`` is not a positive int or None.

@@ -1,8 +1,9 @@
 """Command line: ``whale <command> ...``.
 
 Only parsing lives here; each subcommand calls into the library. Subcommands register themselves in
-:func:`build_parser` through an ``_add_<name>`` function that sets ``func`` (``plan`` and ``simulate`` are
-meant to be added the same way).
+:func:`build_parser` through an ``add_<name>`` function that sets ``func``. ``whale plan`` imports only the
+planning side (no :mod:`whale.runtime`, no :mod:`whale.parallel`); ``whale launch`` imports the launcher when
+it runs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import sys
 from collections.abc import Sequence
 
 from whale.plan_cli import add_plan
-from whale.runtime.launch import LaunchError, launch
 
 _LAUNCH_EPILOG = """\
 examples:
@@ -62,6 +62,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
     """Run ``whale launch``; invalid arguments become an argparse-style error (exit code 2)."""
+    from whale.runtime.launch import LaunchError, launch
+
     rdzv = {k: getattr(ns, k) for k in ("nnodes", "node_rank", "master_addr", "master_port",
                                          "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts")}
     try:

@@ -1,7 +1,7 @@
-"""Device catalog, cluster spec (YAML), detection and emulation helpers (DESIGN.md §2, §6; issue 4).
+"""Device catalog, cluster spec (YAML), detection and emulation helpers.
 
 Units everywhere: FLOP/s for compute speeds, bytes for memory, bytes/s for bandwidths. Datasheet memory uses
-1 GB = 1e9 bytes (so "V100-32GB" has 32e9 bytes). Catalog numbers are dense datasheet peaks (DESIGN.md §6):
+1 GB = 1e9 bytes (so "V100-32GB" has 32e9 bytes). Catalog numbers are dense datasheet peaks (NVIDIA datasheets):
 ``fp32_flops`` without tensor cores, ``bf16_flops`` with 16-bit tensor cores.
 
 YAML schema (ranks are numbered node by node; numbers may be written ``5e12``)::
@@ -100,7 +100,7 @@ class DeviceType:
 
 
 CATALOG: dict[str, DeviceType] = {d.name: d for d in (
-    # NVIDIA datasheets (dense peaks), DESIGN.md §6. NVLink is the per-GPU total.
+    # NVIDIA datasheets (dense peaks). NVLink is the per-GPU total.
     DeviceType("V100-16GB", 15.7 * TFLOPS, 125 * TFLOPS, 16 * GB, 900 * GB, 300 * GB),
     DeviceType("V100-32GB", 15.7 * TFLOPS, 125 * TFLOPS, 32 * GB, 900 * GB, 300 * GB),
     DeviceType("P100-16GB", 10.6 * TFLOPS, 21.2 * TFLOPS, 16 * GB, 732 * GB, 160 * GB),  # SXM2, NVLink 1.0
@@ -204,12 +204,12 @@ def _parse_node(entry: Any, i: int) -> NodeSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The devices and links a job runs on; ranks are numbered node by node, devices in order (DESIGN.md §2).
+    """The devices and links a job runs on; ranks are numbered node by node, devices in order.
 
     Attributes:
         nodes: the machines, in rank order.
         inter_node_bandwidth: bytes/s between nodes (default 50 Gb/s Ethernet = 6.25e9 B/s, the paper's testbed).
-        emulate: CPU ranks imitate their declared devices (DESIGN.md §6); every report must say so.
+        emulate: CPU ranks imitate their declared devices (:mod:`whale.runtime.emulation`); every report must say so.
         memory_scale: under emulation, memory capacity = declared memory x this factor (lets tests hit limits).
 
     Raises:
@@ -383,7 +383,7 @@ def detect_cluster(world_size: int) -> ClusterSpec:
 
 
 def emulation_delays(spec: ClusterSpec) -> list[float]:
-    """Per-rank slowdown factor s_max / s_i - 1 by fp32 peak (DESIGN.md §6): after a compute segment of t
+    """Per-rank slowdown factor s_max / s_i - 1 by fp32 peak: after a compute segment of t
     seconds, rank i waits about ``t * factor`` (see :class:`whale.runtime.emulation.EmulatedDevice`) so it runs
     at its declared speed relative to the fastest device.
     The fastest rank gets 0.0. Pure; applies whether or not ``spec.emulate`` is set."""

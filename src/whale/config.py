@@ -1,12 +1,13 @@
-"""Typed, validated configuration for a Whale job (DESIGN.md §2, §4)."""
+"""Typed, validated configuration for a Whale job: pipelining, schedule, cluster, balancing and data-parallel
+settings (the annotations themselves are in :mod:`whale.annotation`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("1F1B", "GPipe")
+from whale.plan.schedule import SCHEDULES, ScheduleName
 
 
 class ConfigError(ValueError):
@@ -18,48 +19,39 @@ class Config:
     """Settings for planning and running one job.
 
     Every field is validated in ``__post_init__``; a bad value raises :class:`ConfigError` naming the field.
+
+    Attributes:
+        num_micro_batch: micro-batches per mini-batch (>= 1). With several TaskGraphs they flow through the
+            pipeline; with one they are gradient accumulation. The global batch must be a multiple of it.
+        schedule: pipeline schedule, ``"1F1B"`` (backward-first, the default: bounded activation memory) or
+            ``"GPipe"`` (all forwards, then all backwards).
+        cluster: the cluster spec, a YAML file path or a :class:`whale.cluster.ClusterSpec`. ``None``: detected
+            on GPUs, identical devices on CPU. ``whale launch --cluster`` sets it through ``WHALE_CLUSTER``.
+        hardware_aware: when the cluster mixes device types, balance work by device capability (Whale paper,
+            Jia et al., USENIX ATC 2022, §3.3): lane batch shares and split shard sizes proportional to FLOPS
+            within memory, pipeline devices ordered by memory, and (given a sample batch) stage cuts that
+            minimize the slowest stage.
+        rebalance_after: after this many steps, re-balance the data-parallel lanes' shares from their measured
+            compute time per sample (see :meth:`whale.Engine.rebalance`). ``None``: keep the planned shares.
+        max_grad_norm: clip the global gradient norm (over all stages, lanes and shards) to this value; ``None``:
+            no clipping.
+        seed: seed of torch's RNG, set identically on every rank by :func:`whale.init` so replicas start equal.
+        load_shares: relative load of each data-parallel lane (one positive number per lane); ``None``: equal.
+            Whole samples are apportioned by largest remainder, so ``(5, 3)`` on a batch of 8 gives 5 and 3 rows.
+        bucket_cap_mb: gradient all-reduce bucket size, MiB (1 MiB = 2**20 bytes).
+        backend: torch.distributed backend; ``None`` picks ``nccl`` when CUDA is available, else ``gloo``.
     """
 
     num_micro_batch: int = 1
-    """Micro-batches per mini-batch (>= 1). With several TaskGraphs they flow through the pipeline; with one
-    TaskGraph they are gradient accumulation. The global batch must be a multiple of it."""
-
-    schedule: str = "1F1B"
-    """Pipeline schedule: ``"1F1B"`` (backward-first, default, bounded activation memory) or ``"GPipe"``
-    (all forwards, then all backwards)."""
-
+    schedule: ScheduleName = "1F1B"
     cluster: Any = None
-    """Cluster spec: a path to a YAML file or a :class:`whale.cluster.ClusterSpec`. ``None``: detected on GPUs,
-    identical devices on CPU. ``whale launch --cluster`` sets it through ``WHALE_CLUSTER``."""
-
     hardware_aware: bool = True
-    """Balance work by device capability (DESIGN.md §5) when the cluster spec mixes device types: lane batch
-    shares and split shard sizes proportional to FLOPS within memory, pipeline devices ordered by memory, and
-    (given a sample batch) stage cuts that minimize the slowest stage."""
-
     rebalance_after: int | None = None
-    """After this many steps, re-balance the data-parallel lanes' shares from their measured compute time per
-    sample (profile-guided balancing; see :meth:`whale.Engine.rebalance`). ``None``: keep the planned shares."""
-
     max_grad_norm: float | None = None
-    """Clip the global gradient norm (over all stages, lanes and shards) to this value; ``None``: no clipping."""
-
     seed: int = 0
-    """Seed for torch's RNG, set identically on every rank by :func:`whale.init` so replicas start equal."""
-
     load_shares: tuple[float, ...] | None = None
-    """Relative data-parallel load of each data-parallel lane (one entry per lane, any positive numbers).
-    ``None`` means equal shares. Whole samples are apportioned exactly (largest remainder), so
-    ``(5, 3)`` on a batch of 8 gives 5 and 3 rows."""
-
     bucket_cap_mb: float = 25.0
-    """Gradient all-reduce bucket size in MiB (1 MiB = 2**20 bytes)."""
-
     backend: str | None = None
-    """torch.distributed backend; ``None`` picks ``nccl`` when CUDA is available, else ``gloo``."""
-
-    extra: dict = field(default_factory=dict)
-    """Free-form user metadata carried into the plan printout; not interpreted."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
+
 
 def _value(text: str):
     for kind in (int, float):
@@ -34,7 +36,7 @@ def load_factory(spec: str):
 
 
 def _make_plan(ns: argparse.Namespace):
-    import whale as wh
+    import whale as wh  # planning names only: whale.runtime and whale.parallel stay unloaded
 
     pairs = [kv.split("=", 1) for kv in ns.args]
     if any(len(p) != 2 for p in pairs):
@@ -55,9 +57,11 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
     p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    p.add_argument("--schedule", default="1F1B", choices=SCHEDULES)
     p.add_argument("--no-hardware-aware", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--out", metavar="PLAN.json",
+                   help="also write the plan as JSON (train from it: wh.parallelize(..., plan=Plan.from_json(text)))")
     p.add_argument("--args", nargs="*", default=[], metavar="KEY=VALUE", help="keyword arguments for the factory")
     p.set_defaults(func=run_plan)
 
@@ -71,8 +75,11 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 2
     print(plan.to_json(indent=2) if ns.json else plan)
     if not ns.json and plan.is_pipeline:
-        from whale.parallel.schedule import format_schedule, make_schedule
-
         print("schedule (per stage):")
         print(format_schedule(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(plan.to_json(indent=2) + "\n")
+        if not ns.json:
+            print(f"plan written to {ns.out}")
     return 0

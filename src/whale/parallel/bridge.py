@@ -1,4 +1,7 @@
-"""Bridges between a replicate TaskGraph and a split TaskGraph on the same devices (DESIGN.md §2 "bridge").
+"""Bridges between a replicate TaskGraph and a split TaskGraph on the same devices.
+
+A bridge is the communication at a TaskGraph boundary that changes the layout of the values crossing it (the
+bridge layers of the Whale paper, Jia et al., USENIX ATC 2022, §3.2); here, a gather along the batch dim.
 
 Under ``replicate`` each of the n ranks of a split group holds its own rows of the micro-batch (its
 data-parallel share, possibly uneven); a split part needs every row of the group on every rank. A
@@ -8,14 +11,17 @@ data-parallel share, possibly uneven); a split part needs every row of the group
   gradient of its own rows. (Every sharded operator's input already sums the partial gradients of all shards
   over the group -- ``copy_to_group`` in a column-sharded Linear -- so the gradient arriving here is complete
   on every rank; summing again would count it n times.) Bytes per rank: forward ``n x max(rows) x m x
-  itemsize`` (gloo needs equal sizes, so shards are padded), backward none, where m = elements per row.
+  itemsize`` (the gathered rows, padded: gloo needs equal sizes), backward none, where m = elements per row.
 - **out** (split -> replicate): each rank keeps its own rows of the full output. Backward: all-gather of the
   row gradients, ``n x max(rows) x m' x itemsize``.
 - **elided**: with a group of one rank (the module is not sharded at all), and at the model's end when the
   split part yields class-sharded logits (a lone column-sharded ``nn.Linear``): they go straight to the loss as
   :class:`ShardedLogits` over all the group's rows (the loss then averages over those rows; no scatter).
 
-Row counts per rank come from the plan (set by the engine through :meth:`SplitRegion.set_rows`).
+Row counts per rank come from the plan, set each step by :class:`whale.parallel.regions.SplitRuntime` through
+:meth:`SplitRegion.set_rows`. The gathers are :func:`whale.parallel.split_ops.all_gather` along dim 0; their
+bytes (the gathered result, as every split collective counts them: see :mod:`whale.parallel.split_ops`) go to
+``comm_bytes["bridge"]``.
 """
 
 from __future__ import annotations
@@ -29,17 +35,12 @@ from torch import nn
 
 from whale.parallel.split import ColumnParallelLinear
 from whale.parallel.split_loss import sharded_accuracy, sharded_cross_entropy
-from whale.parallel.split_ops import comm_bytes
+from whale.parallel.split_ops import all_gather
 
 
 def _gather_rows(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
-    pad = max(rows)
-    buf = x.new_zeros((pad, *x.shape[1:]))
-    buf[: x.size(0)] = x
-    parts = [torch.empty_like(buf) for _ in rows]
-    dist.all_gather(parts, buf.contiguous(), group=group)
-    comm_bytes["bridge"] += buf.numel() * buf.element_size() * len(rows)
-    return torch.cat([p[:r] for p, r in zip(parts, rows, strict=True)])
+    """All ranks' rows, in group-rank order (rank r holds ``rows[r]``), counted as ``"bridge"`` bytes."""
+    return all_gather(x, group, dim=0, sizes=rows, kind="bridge")
 
 
 def _own_rows(x: torch.Tensor, group, rows: list[int]) -> torch.Tensor:
@@ -71,7 +72,7 @@ class _BridgeOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         """Backward: the adjoint collective (see the module docstring)."""
-        return _gather_rows(grad.contiguous(), ctx.group, ctx.rows), None, None
+        return _gather_rows(grad, ctx.group, ctx.rows), None, None
 
 
 @dataclass
@@ -131,7 +132,7 @@ class SplitRegion(nn.Module):
         """This rank's rows ``[b_r, ...]`` -> the sharded module's output for this rank's rows (or
         :class:`ShardedLogits` over all the group's rows when the module is a class-sharded head)."""
         if self.rows is None:
-            raise RuntimeError("SplitRegion.set_rows was not called: the engine sets row counts per step")
+            raise RuntimeError("SplitRegion.set_rows was not called: the split runtime sets row counts per step")
         if x.is_floating_point():
             x = _BridgeIn.apply(x, self.group, self.rows)
         else:  # token ids and the like: no gradient to bring back

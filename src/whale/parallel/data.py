@@ -2,8 +2,8 @@
 
 Exact weighting with uneven batch shares: every rank scales its micro-batch loss by ``rows / global_batch``
 (the runtime does this), so summing gradients across ranks (``ReduceOp.SUM``) yields exactly the gradient of
-the mean loss over the global batch (DESIGN.md §5, "Correctness with uneven shares"). No division by the
-world size happens here.
+the mean loss over the global batch: a rank holding b_i of B samples contributes b_i / B of the average. No
+division by the world size happens here.
 
 Buckets are filled in reverse parameter order (roughly the order backward produces gradients) up to
 ``bucket_cap_mb``; a bucket's all-reduce starts as soon as it and every earlier bucket are complete, so every
@@ -68,7 +68,10 @@ class GradSync:
             e.g. a group of one rank). Each parameter appears in exactly one entry.
         bucket_cap_mb: bucket size in MiB (2**20 bytes); the first bucket of each group is capped at
             ``first_bucket_mb`` so that communication starts early in backward (as DDP does).
-        overlap: start all-reduces from gradient hooks during the armed backward.
+        first_bucket_mb: cap of each group's first bucket, MiB.
+
+    Communication always overlaps the last backward: gradient hooks start each bucket's all-reduce during the
+    armed backward as soon as the bucket (and every earlier one) is complete.
 
     Attributes:
         scheduler: ``None``, or an object with ``defer(fn)`` and ``flush()`` that starts each bucket's all-reduce
@@ -81,7 +84,7 @@ class GradSync:
     """
 
     def __init__(self, param_groups: list[tuple[object, list[torch.nn.Parameter]]], bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, first_bucket_mb: float = 1.0) -> None:
+                 first_bucket_mb: float = 1.0) -> None:
         plans: list[tuple[object, list[torch.nn.Parameter]]] = []
         for group, params in param_groups:
             if group is not None:
@@ -96,11 +99,7 @@ class GradSync:
         self.bytes_reduced = 0
         """Gradient bytes handed to all-reduce so far (the loss riding along is not counted)."""
         self.scheduler = None
-        self._handles = []
-        if overlap:
-            for b in self.buckets:
-                for p in b.params:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
 
     @staticmethod
     def _fill(group, params, cap, first_cap) -> list[tuple[object, list[torch.nn.Parameter]]]:

@@ -105,11 +105,6 @@ def _post(meta: list, src: int, device: torch.device) -> list:
     return out
 
 
-def recv_values(src: int, device: torch.device) -> tuple:
-    """Receive values sent by :func:`send_values` from ``src`` (blocking)."""
-    return PendingRecv(src, device).wait()[0]
-
-
 def send_grads(inputs: tuple, dst: int) -> list:
     """Send the gradients of the received inputs that require grad (zeros where autograd left none)."""
     works = []
@@ -138,7 +133,3 @@ def wait_grads(posted: list) -> list[torch.Tensor]:
         work.wait()
     return [g for g, _ in posted]
 
-
-def recv_grads(outputs: tuple, src: int) -> list[torch.Tensor]:
-    """Receive one gradient per output tensor that requires grad, in order (blocking)."""
-    return wait_grads(post_grads(outputs, src))

@@ -1,4 +1,5 @@
-"""Install split regions: replace the modules a plan marks ``split`` by their bridged shards on this rank."""
+"""The split runtime of one rank: swaps the modules a plan marks ``split`` for their bridged shards, and keeps
+the row bookkeeping of the bridges (how many rows of each micro-batch every rank of the split group holds)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,7 @@ from whale.parallel.split import SplitError, shard_module
 from whale.plan.plan import Plan
 
 
-def split_targets(plan: Plan, stage: int) -> list[tuple[str, list[float]]]:
-    """``(module FQN, shard weights)`` of every module a stage runs under ``split`` (top-level or nested)."""
-    out = []
-    for tg in plan.stage_task_graphs(stage):
-        if tg.kind == "split":
-            out += [(name, list(tg.shard_weights)) for name in tg.modules]
-        for nest in tg.nested:
-            if nest["kind"] == "split":
-                out += [(name, list(nest.get("shard_weights", []))) for name in nest["modules"]]
-    return out
-
-
-def _targets_by_module(module: nn.Module, targets: list[tuple[str, list[float]]]) -> list[tuple[str, list[float]]]:
+def _targets_by_module(module: nn.Module, targets: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
     """Map loose root-level tensor names (a whole model built under split) onto the root module ``""``."""
     loose = [(n, w) for n, w in targets if "." not in n and n in dict(module.named_parameters(recurse=False))]
     if loose and len(loose) == len(targets):
@@ -29,34 +18,68 @@ def _targets_by_module(module: nn.Module, targets: list[tuple[str, list[float]]]
     return targets
 
 
-def install_split_regions(module: nn.Module, plan: Plan, stage: int, lane: int,
-                          groups: dict) -> tuple[nn.Module, list[SplitRegion]]:
-    """Swap each split module of this stage for a :class:`SplitRegion` over this replica's split group.
-    Returns the (possibly replaced, when the whole model is split) module and the regions.
+class SplitRuntime:
+    """This rank's split regions and their rows.
 
-    Nothing happens when the stage's width is 1 (a split over one device is the module itself).
+    Attributes:
+        module: the stage module with every split module replaced by a :class:`SplitRegion` (the region itself
+            when the whole model is split).
+        regions: the installed regions (empty when the stage has no split or its width is 1).
+        params: ``id`` of every sharded parameter (their gradients sum over shard replicas, not lanes).
+        sharded_loss: the model ends in class-sharded logits: the loss covers every row of the split group.
 
     Raises:
         SplitError: a split TaskGraph holds loose parameters rather than whole modules, or a module type has
             no sharding rule.
     """
-    if plan.stage_width == 1:
-        return module, []
-    ranks = tuple(plan.split_group_ranks(stage, lane // plan.stage_width))
-    group = groups[ranks]
-    regions = []
-    for name, weights in _targets_by_module(module, split_targets(plan, stage)):
-        if name == "":
-            region = SplitRegion(shard_module(module, group, weights=weights or None), group)
-            return region, [region]
-        try:
-            target = module.get_submodule(name)
-        except AttributeError:
-            raise SplitError(
-                f"split holds {name!r}, which is not a whole module: put whole modules (e.g. an nn.Linear) "
-                "inside a split scope, not loose parameters") from None
-        region = SplitRegion(shard_module(target, group, weights=weights or None), group)
-        parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, child, region)
-        regions.append(region)
-    return module, regions
+
+    def __init__(self, module: nn.Module, plan: Plan, stage: int, group) -> None:
+        self.module, self.regions = module, []
+        if plan.stage_width > 1:
+            self._install(plan, stage, group)
+        self.params = {id(p) for r in self.regions for p in r.parameters()}
+        self.sharded_loss = any(r.sharded_output for r in self.regions)
+
+    def _install(self, plan: Plan, stage: int, group) -> None:
+        for name, weights in _targets_by_module(self.module, plan.split_targets(stage)):
+            weights = list(weights) or None
+            if name == "":
+                self.module = SplitRegion(shard_module(self.module, group, weights=weights), group)
+                self.regions = [self.module]
+                return
+            try:
+                target = self.module.get_submodule(name)
+            except AttributeError:
+                raise SplitError(
+                    f"split holds {name!r}, which is not a whole module: put whole modules (e.g. an nn.Linear) "
+                    "inside a split scope, not loose parameters") from None
+            region = SplitRegion(shard_module(target, group, weights=weights), group)
+            parent, _, child = name.rpartition(".")
+            setattr(self.module.get_submodule(parent) if parent else self.module, child, region)
+            self.regions.append(region)
+
+    @staticmethod
+    def group_lanes(plan: Plan, lane: int) -> range:
+        """The lanes of ``lane``'s split group (one replica's n devices), in group-rank order."""
+        first = lane - lane % plan.stage_width
+        return range(first, first + plan.stage_width)
+
+    def start_step(self, plan: Plan, rows: list[list[tuple[int, int]]], lane: int) -> None:
+        """Tell the bridges the rows each group member holds this step (``rows`` from
+        :meth:`Plan.micro_batch_rows`; micro-batches of a step have equal shares)."""
+        counts = [rows[other][0][1] - rows[other][0][0] for other in self.group_lanes(plan, lane)]
+        for region in self.regions:
+            region.set_rows(counts)
+
+    def loss_rows(self, plan: Plan, rows: list[list[tuple[int, int]]], lane: int) -> list[tuple[int, int]]:
+        """Per micro-batch, the rows this rank's loss covers: its own, or with class-sharded logits every row
+        of its split group."""
+        if not self.sharded_loss:
+            return rows[lane]
+        group = self.group_lanes(plan, lane)
+        return [(a, rows[group[-1]][i][1]) for i, (a, _) in enumerate(rows[group[0]])]
+
+    def counts_loss(self, plan: Plan, lane: int) -> bool:
+        """Whether this rank reports the loss: with class-sharded logits every rank of a split group computes
+        the same loss over the group's rows, and only the first reports it."""
+        return not self.sharded_loss or lane % plan.stage_width == 0

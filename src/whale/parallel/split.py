@@ -1,5 +1,8 @@
 """split → operator sharding: sharded Linear / Embedding layers and the module-type → rule registry.
 
+The column- and row-parallel Linear layers and the vocabulary-parallel Embedding follow Megatron-LM (Shoeybi et
+al. 2019), with uneven shards.
+
 A split TaskGraph's parameters are cut along one dim across the ranks of its VirtualDevice (a process group of
 n ranks). Shards may be **uneven**: ``sizes`` (one whole number per rank, in group-rank order, each ≥ 1, adding
 up to the dim) come from the plan, e.g. proportional to device FLOPS; ``sizes=None`` means equal shares
@@ -7,14 +10,15 @@ up to the dim) come from the plan, e.g. proportional to device FLOPS; ``sizes=No
 its local slice, so the sharded model computes the same numbers as the unsharded one.
 
 Sharded layers (N = rows of the input, i.e. numel / last dim; bytes handed to collectives per rank and step,
-fp32; a ring all-reduce of S bytes sends 2(n−1)/n × S):
+fp32, counted as in :mod:`whale.parallel.split_ops`: an all-gather's whole padded result; a ring all-reduce of
+S bytes sends 2(n−1)/n × S):
 
 - :class:`ColumnParallelLinear`: weight rows (out features) sharded; input replicated, output sharded on the
-  last dim. Forward: none (``gather_output=True``: all-gather of N × max(sizes) × 4). Backward: all-reduce of
+  last dim. Forward: none (``gather_output=True``: all-gather of n × N × max(sizes) × 4). Backward: all-reduce of
   the input gradient, N × in × 4 (none when the input needs no gradient).
 - :class:`RowParallelLinear`: weight columns (in features) sharded; input sharded on the last dim, output
   replicated. Forward: all-reduce of the partial sums, N × out × 4. Backward: none (``input_is_parallel=
-  False``: all-gather of the input gradient, N × max(sizes) × 4).
+  False``: all-gather of the input gradient, n × N × max(sizes) × 4).
 - Column → elementwise activation → Row (an MLP): no communication in between; N × out × 4 forward plus
   N × in × 4 backward for the pair.
 - :class:`VocabParallelEmbedding`: rows of the table (the vocabulary) sharded; forward all-reduce of

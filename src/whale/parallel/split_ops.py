@@ -10,14 +10,19 @@ function               forward                   backward                  bytes
 =====================  ========================  ========================  =====================================
 ``copy_to_group``      identity                  all-reduce (sum) of grad  bwd: numel(x) × itemsize
 ``reduce_from_group``  all-reduce (sum)          identity                  fwd: numel(x) × itemsize
-``gather_from_group``  all-gather along ``dim``  own slice of grad         fwd: max(sizes) × m × itemsize
-``scatter_to_group``   own slice along ``dim``   all-gather of grads       bwd: max(sizes) × m × itemsize
+``gather_from_group``  all-gather along ``dim``  own slice of grad         fwd: n × max(sizes) × m × itemsize
+``scatter_to_group``   own slice along ``dim``   all-gather of grads       bwd: n × max(sizes) × m × itemsize
 =====================  ========================  ========================  =====================================
 
 where m is the number of elements per index of the sharded dim (numel of the shard / its size along ``dim``).
-(A ring all-reduce of S bytes sends 2(n−1)/n × S per rank; an all-gather of padded shards of P bytes sends
-(n−1) × P per rank. Uneven gathers pad every shard to ``max(sizes)``, so they move n × max(sizes) rows instead
-of sum(sizes).) :data:`comm_bytes` counts, by kind, the bytes this process handed to collectives here.
+``copy_to_group`` and ``reduce_from_group`` are Megatron-LM's conjugate f and g operators (Shoeybi et al.
+2019) around column- and row-parallel layers.
+
+Byte convention (:data:`comm_bytes`, and the bridges of :mod:`whale.parallel.bridge`): the bytes handed to a
+collective are the size of the result buffer it fills on this rank, the S of the cost model's ring formulas
+(:mod:`whale.plan.cost`): for an all-reduce the reduced tensor; for an all-gather the whole gathered tensor,
+padded (n × max(sizes) slices: gloo needs equal shapes, so uneven shards are padded to the largest). On the
+wire a ring all-reduce of S bytes sends 2(n−1)/n × S per rank and a ring all-gather of S bytes (n−1)/n × S.
 
 Gloo quirks found while building this (torch 2.13, CPU):
 
@@ -35,18 +40,22 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from whale.plan.balance import proportional_shares
+
 comm_bytes: Counter = Counter()
-"""Bytes this process handed to split collectives, by kind (``"all_reduce"``, ``"all_gather"``). Reset with
-``comm_bytes.clear()``; benchmarks read it to report measured communication."""
+"""Bytes this process handed to split collectives (result buffer sizes, see the module docstring), by kind:
+``"all_reduce"``, ``"all_gather"`` and the bridges' ``"bridge"``. Reset with ``comm_bytes.clear()``; benchmarks
+read it to report measured communication."""
 
 
 # --- shard sizes ----------------------------------------------------------------------------------------
 def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> list[int]:
-    """Whole shard sizes for cutting a dim of ``dim_size`` elements into ``n`` shards.
+    """Whole shard sizes for cutting a dim of ``dim_size`` elements into ``n`` shards, adding up to ``dim_size``.
 
-    Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) proportional to them by
-    the largest-remainder method (ties to the lower index). Every shard gets at least one element: a shard
-    that rounds to 0 takes one from the largest shard. The result adds up to ``dim_size`` exactly.
+    Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) proportional to them.
+    Every shard gets at least one element. Both by :func:`whale.plan.balance.proportional_shares` (largest
+    remainder, ties to the lower index; a shard below one element takes it from the shard furthest above its
+    quota).
 
     Raises:
         ValueError: ``n < 1``; more shards than elements (``n > dim_size``); ``weights`` of the wrong length,
@@ -58,19 +67,9 @@ def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> li
         raise ValueError(f"cannot split a dim of size {dim_size} into {n} shards: more shards than elements "
                          f"(use at most {dim_size} ranks for this dim, or a larger dim)")
     weights = [1.0] * n if weights is None else [float(w) for w in weights]
-    if len(weights) != n or min(weights) < 0 or sum(weights) <= 0:
+    if len(weights) != n or min(weights) < 0 or not sum(weights) > 0:
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
-    total = sum(weights)
-    raw = [dim_size * w / total for w in weights]
-    sizes = [int(r) for r in raw]
-    order = sorted(range(n), key=lambda i: (-(raw[i] - sizes[i]), i))
-    for i in order[: dim_size - sum(sizes)]:
-        sizes[i] += 1
-    for i in range(n):
-        if sizes[i] == 0:
-            sizes[max(range(n), key=lambda j: (sizes[j], -j))] -= 1
-            sizes[i] = 1
-    return sizes
+    return proportional_shares(dim_size, weights, min_share=1)
 
 
 def check_sizes(sizes: list[int], dim_size: int, n: int) -> list[int]:
@@ -130,9 +129,16 @@ def all_reduce(x: torch.Tensor, group=None, op=None) -> torch.Tensor:
     return out
 
 
-def all_gather(x: torch.Tensor, group=None, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group=None, dim: int = -1, sizes: list[int] | None = None,
+               kind: str = "all_gather") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group-rank order; shard r has ``sizes[r]`` entries
-    along ``dim`` (``None``: all as large as this rank's). Pads to ``max(sizes)`` (gloo needs equal shapes)."""
+    along ``dim`` (``None``: all as large as this rank's). Pads to ``max(sizes)`` (gloo needs equal shapes).
+
+    Counts n × the padded shard's bytes (the gathered result, padding included) in ``comm_bytes[kind]``.
+
+    Raises:
+        ValueError: this rank's ``x`` does not have ``sizes[rank]`` entries along ``dim``.
+    """
     n = group_size(group)
     if n == 1:
         return x
@@ -141,13 +147,12 @@ def all_gather(x: torch.Tensor, group=None, dim: int = -1, sizes: list[int] | No
     if x.shape[dim] != sizes[group_rank(group)]:
         raise ValueError(f"this rank holds {x.shape[dim]} entries along dim {dim}, but sizes say "
                          f"{sizes[group_rank(group)]} (sizes {sizes})")
-    biggest = max(sizes)
     shape = list(x.shape)
-    shape[dim] = biggest
+    shape[dim] = max(sizes)
     padded = x.new_zeros(shape)
     padded.narrow(dim, 0, x.shape[dim]).copy_(x)
     parts = [torch.empty_like(padded) for _ in range(n)]
-    comm_bytes["all_gather"] += padded.numel() * padded.element_size()
+    comm_bytes[kind] += n * padded.numel() * padded.element_size()
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)], dim=dim)
 

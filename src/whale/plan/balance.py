@@ -1,4 +1,5 @@
-"""Intra-TaskGraph load balancing: hardware-aware, memory-constrained shares (DESIGN.md §5; paper §3.3, Alg. 1).
+"""Intra-TaskGraph load balancing: hardware-aware, memory-constrained shares (Whale paper, Jia et al., USENIX ATC
+2022, §3.3, Algorithm 1).
 
 A TaskGraph's work is cut into whole units — samples of the global batch for ``replicate``, elements of the
 sharded dimension for ``split`` — and device i gets L_i units. Device i then needs
@@ -43,15 +44,28 @@ class InfeasiblePlanError(PlanError):
 
 
 def proportional_shares(total: int, weights: list[float], min_share: int = 0) -> list[int]:
-    """Whole shares of ``total`` proportional to ``weights`` (largest remainder, ties to the lower index),
-    then every share below ``min_share`` is raised by taking units from the share furthest above its quota.
+    """Whole shares of ``total`` proportional to ``weights``, adding up to ``total`` exactly.
+
+    Largest-remainder (Hamilton) method: every share first gets the floor of its quota ``total * w_i / sum(w)``,
+    then the units left go to the largest fractional parts (ties to the lower index). Every share below
+    ``min_share`` is then raised one unit at a time, each unit taken from the share furthest above its quota
+    (ties to the lower index). Deterministic. This is Whale's one apportionment: batch shares, shard sizes and
+    the starting point of :func:`balance_batch` / :func:`balance_shards` all come from here.
+
+    Args:
+        total: units to share (whole samples, elements of a dim), >= 0.
+        weights: one finite number >= 0 per share, with a positive sum (e.g. device FLOP/s); a zero weight
+            gets ``min_share``.
+        min_share: fewest units any share may get.
 
     Raises:
-        ValueError: empty or non-positive weights, ``total < len(weights) * min_share``.
+        ValueError: empty weights, a negative or non-finite weight, an all-zero sum, or
+            ``total < len(weights) * min_share``.
     """
     n = len(weights)
-    if n == 0 or any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise ValueError(f"weights must be a non-empty list of finite numbers > 0, got {weights}")
+    if n == 0 or any(not (w >= 0 and math.isfinite(w)) for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"weights must be a non-empty list of finite numbers >= 0 with a positive sum, "
+                         f"got {weights}")
     if total < n * min_share:
         raise ValueError(f"cannot give {n} devices at least {min_share} each out of {total}")
     s = sum(weights)
@@ -187,7 +201,7 @@ def _balance(total: int, flops: list[float], cap: list[float], fixed: list[float
 
 def balance_batch(global_batch: int, flops: list[float], mem_capacity: list[float], mem_fixed: list[float],
                   mem_per_sample: float, min_share: int = 1) -> list[int]:
-    """Per-device batch shares for a replicate TaskGraph (DESIGN.md §5; paper Algorithm 1).
+    """Per-device batch shares for a replicate TaskGraph (paper §3.3, Algorithm 1).
 
     Args:
         global_batch: samples per step (all devices together).
@@ -212,7 +226,7 @@ def balance_batch(global_batch: int, flops: list[float], mem_capacity: list[floa
 
 def balance_shards(dim_size: int, flops: list[float], mem_capacity: list[float], mem_fixed: list[float],
                    mem_per_unit: float) -> list[int]:
-    """Per-device shard sizes of a split TaskGraph's sharded dimension (DESIGN.md §5).
+    """Per-device shard sizes of a split TaskGraph's sharded dimension (paper §3.3, Algorithm 1).
 
     Args:
         dim_size: length of the sharded dimension (elements, e.g. output features or classes).

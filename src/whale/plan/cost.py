@@ -1,7 +1,9 @@
-"""Analytic cost model: compute, communication and memory (DESIGN.md §7).
+"""Analytic cost model: compute, communication and memory.
 
 Pure functions of numbers. Units: FLOPs (floating-point operations), FLOP/s, bytes, bytes/s, seconds.
-Pipeline step times come from the simulator, not from here; this module gives its per-event costs.
+Pipeline step times come from the event simulator (:func:`whale.plan.schedule.simulate`), not from here; this
+module gives its per-event costs. What a schedule implies (micro-batches in flight, the bubble) lives with the
+schedules in :mod:`whale.plan.schedule`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def _check(value: float, what: str, positive: bool = False) -> float:
 
 
 def compute_time(flops: float, device: DeviceType | float, efficiency: float = 1.0, dtype: str = "fp32") -> float:
-    """Seconds to run ``flops`` FLOPs: flops / (peak x efficiency) (DESIGN.md §7).
+    """Seconds to run ``flops`` FLOPs: flops / (peak x efficiency), efficiency calibrated per device type.
 
     Args:
         flops: work, FLOPs (>= 0).
@@ -43,7 +45,7 @@ def ring_allreduce_bytes(nbytes: float, n: int) -> float:
 
 
 def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
-    """Seconds for a ring all-reduce of ``nbytes`` bytes over ``n`` ranks (DESIGN.md §7).
+    """Seconds for a ring all-reduce of ``nbytes`` bytes over ``n`` ranks.
 
     Each rank sends 2(n-1)/n x S bytes over its slowest link (``bandwidth``, bytes/s), in 2(n-1) steps that
     each pay ``latency`` seconds. Raises ValueError on n < 1, negative sizes or non-positive bandwidth.
@@ -68,28 +70,6 @@ def p2p_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
     return _check(latency, "latency") + _check(nbytes, "bytes") / _check(bandwidth, "bandwidth", positive=True)
 
 
-def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int, schedule: str = "1F1B") -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once.
-
-    1F1B: min(S - s, m) (stage s runs S - s forwards before its first backward); GPipe: m (all forwards first).
-    DESIGN.md §5. Raises ValueError on a bad stage, counts or schedule.
-    """
-    if num_stages < 1 or num_micro_batch < 1 or not 0 <= stage < num_stages:
-        raise ValueError(f"need 0 <= stage < num_stages and counts >= 1, got {stage}, {num_stages}, {num_micro_batch}")
-    if schedule == "1F1B":
-        return min(num_stages - stage, num_micro_batch)
-    if schedule == "GPipe":
-        return num_micro_batch
-    raise ValueError(f"schedule {schedule!r} is unknown; choose '1F1B' or 'GPipe'")
-
-
-def pipeline_bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
-    """Idle fraction of a GPipe/1F1B step on equal stages: (p - 1) / (m + p - 1) (DESIGN.md §7)."""
-    if num_stages < 1 or num_micro_batch < 1:
-        raise ValueError(f"stages and micro-batches must be >= 1, got {num_stages}, {num_micro_batch}")
-    return (num_stages - 1) / (num_micro_batch + num_stages - 1)
-
-
 def memory_per_device(
     param_bytes: float,
     grad_bytes: float,
@@ -100,12 +80,13 @@ def memory_per_device(
     zero_degree: int = 1,
     zero_stage: int = 1,
 ) -> float:
-    """Bytes one device needs (DESIGN.md §7): params + grads + optimizer state + activations in flight + buffers.
+    """Bytes one device needs: params + grads + optimizer state + activations in flight + buffers.
 
     Args:
         param_bytes, grad_bytes, optimizer_state_bytes: the device's (unsharded) model state, bytes.
         activation_bytes: activation bytes saved for backward by one micro-batch on this device.
-        in_flight: micro-batches whose activations are held at once (see :func:`in_flight_micro_batches`).
+        in_flight: micro-batches whose activations are held at once (see
+            :func:`whale.plan.schedule.in_flight_micro_batches`).
         buffer_bytes: module buffers plus any fixed workspace, bytes.
         zero_degree: ranks the ZeRO sharding spreads state over (1 = none).
         zero_stage: what ZeRO shards (Rajbhandari et al. 2020): 1 optimizer state, 2 also grads, 3 also params.

@@ -1,6 +1,6 @@
-"""Hardware-aware planning (DESIGN.md §5; the paper's §3.3): a pure function that takes a plan made for
-identical devices and a cluster spec, and gives each device work in proportion to what it can do, within its
-memory.
+"""Hardware-aware planning (the Whale paper's §3.3, Jia et al., USENIX ATC 2022): a pure function that takes a
+plan made for identical devices and a cluster spec, and gives each device work in proportion to what it can do,
+within its memory.
 
 - Device order (inter-TaskGraph): in each replica, devices with more memory take earlier pipeline slots
   (stage s of S holds up to S - s micro-batches of activations under 1F1B).
@@ -20,6 +20,7 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.plan.balance import InfeasiblePlanError, balance_batch
 from whale.plan.partition import order_devices_by_memory
 from whale.plan.plan import Plan, PlanError
+from whale.plan.schedule import in_flight_micro_batches
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,18 @@ def is_heterogeneous(cluster: ClusterSpec) -> bool:
     return len(kinds) > 1
 
 
-def device_order(plan: Plan, cluster: ClusterSpec) -> list[int]:
-    """Slot -> rank: within each replica's D consecutive ranks, largest memory first (stable)."""
+def device_order(plan: Plan, cluster: ClusterSpec) -> tuple[int, ...]:
+    """Slot -> rank: within each replica's D consecutive ranks, largest memory first (stable); ``()`` when that
+    is the identity."""
     if not plan.is_pipeline:
-        return []
+        return ()
     d = plan.num_stages * plan.stage_width
     mem = [memory_capacity(cluster, r) for r in range(plan.world_size)]
     order: list[int] = []
     for k in range(plan.num_replicas):
         ranks = list(range(k * d, (k + 1) * d))
         order += [ranks[i] for i in order_devices_by_memory([mem[r] for r in ranks])]
-    return order if order != list(range(plan.world_size)) else []
+    return tuple(order) if order != list(range(plan.world_size)) else ()
 
 
 def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[float]:
@@ -68,8 +70,7 @@ def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[
     for lane in range(plan.num_lanes):
         lim = float("inf")
         for s in range(s_count):
-            in_flight = m if plan.schedule == "GPipe" else min(m, s_count - s)
-            per = memory.per_sample_bytes[s] * in_flight / m
+            per = memory.per_sample_bytes[s] * in_flight_micro_batches(s, s_count, m, plan.schedule) / m
             rank = plan.rank_of(s, lane)
             cap = memory_capacity(cluster, rank)
             need_one = memory.fixed_bytes[s] + per
@@ -102,13 +103,13 @@ def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: M
     return [float(x) for x in shares]
 
 
-def shard_weights(plan: Plan, speeds: list[float], stage: int) -> list[float]:
+def shard_weights(plan: Plan, speeds: list[float], stage: int) -> tuple[float, ...]:
     """Relative shard size per position j of a split group: the slowest device at j over all replicas."""
     n = plan.stage_width
-    return [min(speeds[plan.rank_of(stage, k * n + j)] for k in range(plan.num_replicas)) for j in range(n)]
+    return tuple(min(speeds[plan.rank_of(stage, k * n + j)] for k in range(plan.num_replicas)) for j in range(n))
 
 
-def predicted_utilization(plan: Plan, speeds: list[float]) -> list[float]:
+def predicted_utilization(plan: Plan, speeds: list[float]) -> tuple[float, ...]:
     """Per rank: compute time (lane share x stage FLOPs / device speed) over the largest such time, in
     [0, 1]; stages count as equal work unless ``plan.stage_flops`` says otherwise."""
     total = sum(plan.lane_weights)
@@ -119,12 +120,22 @@ def predicted_utilization(plan: Plan, speeds: list[float]) -> list[float]:
             r = plan.rank_of(s, lane)
             times[r] = (w / total) * work[s] / speeds[r]
     top = max(times)
-    return [t / top for t in times]
+    return tuple(t / top for t in times)
+
+
+def _split_shares(plan: Plan, speeds: list[float]) -> tuple:
+    """The plan's TaskGraphs with split shard weights sized by device speed."""
+    out = []
+    for tg in plan.task_graphs:
+        weights = shard_weights(plan, speeds, 0 if plan.colocated else tg.index)
+        nested = tuple(dataclasses.replace(n, shard_weights=weights) if n.kind == "split" else n for n in tg.nested)
+        out.append(dataclasses.replace(tg, nested=nested, shard_weights=weights if tg.kind == "split" else ()))
+    return tuple(out)
 
 
 def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None = None,
                    dtype: str = "fp32") -> Plan:
-    """A copy of ``plan`` balanced for ``cluster`` (pure function; see the module docstring).
+    """A new plan: ``plan`` balanced for ``cluster`` (pure function; see the module docstring).
 
     Raises:
         ClusterError: the spec's device count differs from the plan's world size.
@@ -132,27 +143,19 @@ def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None 
     """
     cluster.check_world_size(plan.world_size)
     speeds = [d.flops(dtype) for d in cluster.devices()]
-    out = dataclasses.replace(plan, devices=[d.name for d in cluster.devices()], notes=list(plan.notes))
-    out.device_order = device_order(plan, cluster)
-    out.lane_weights = lane_shares(out, speeds, cluster, memory)
-    out.task_graphs = [dataclasses.replace(tg, nested=[dict(n) for n in tg.nested]) for tg in plan.task_graphs]
-    for tg in out.task_graphs:
-        stage = 0 if plan.colocated else tg.index
-        if tg.kind == "split":
-            tg.shard_weights = shard_weights(out, speeds, stage)
-        for nest in tg.nested:
-            if nest["kind"] == "split":
-                nest["shard_weights"] = shard_weights(out, speeds, stage)
-    out.predicted_utilization = predicted_utilization(out, speeds)
+    ordered = dataclasses.replace(plan, devices=tuple(d.name for d in cluster.devices()),
+                                  device_order=device_order(plan, cluster))
+    notes = plan.notes
     if cluster.emulate:
-        out.notes.append("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
-                         f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware")
-    out.validate()
-    return out
+        notes += ("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
+                  f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware",)
+    out = dataclasses.replace(ordered, lane_weights=tuple(lane_shares(ordered, speeds, cluster, memory)),
+                              task_graphs=_split_shares(ordered, speeds), notes=notes)
+    return dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
 
 
 def rebalance(plan: Plan, seconds_per_row: list[float]) -> Plan:
-    """A copy of ``plan`` whose lane shares follow measured speed (profile-guided balancing).
+    """A new plan whose lane shares follow measured speed (profile-guided balancing).
 
     ``seconds_per_row[lane]`` is the compute time per sample of the lane's slowest stage, measured over recent
     steps; the new shares are proportional to ``1 / seconds_per_row``. Datasheet FLOPS miss what really sets a
@@ -165,13 +168,13 @@ def rebalance(plan: Plan, seconds_per_row: list[float]) -> Plan:
     if len(seconds_per_row) != plan.num_lanes or any(not t > 0 for t in seconds_per_row):
         raise PlanError(f"rebalance needs {plan.num_lanes} positive seconds-per-row measurements, "
                         f"got {seconds_per_row}")
-    out = dataclasses.replace(plan, lane_weights=[1.0 / t for t in seconds_per_row], notes=list(plan.notes))
+    note = "lane shares re-balanced from measured step times"
+    out = dataclasses.replace(plan, lane_weights=tuple(1.0 / t for t in seconds_per_row),
+                              notes=plan.notes if note in plan.notes else plan.notes + (note,))
     if plan.devices:
         speeds = [0.0] * plan.world_size
         for lane, t in enumerate(seconds_per_row):
             for s in range(plan.num_stages):
                 speeds[plan.rank_of(s, lane)] = 1.0 / t
-        out.predicted_utilization = predicted_utilization(out, speeds)
-    out.notes.append("lane shares re-balanced from measured step times")
-    out.validate()
+        out = dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
     return out

@@ -1,4 +1,5 @@
-"""Inter-TaskGraph (pipeline) balancing: device order and contiguous stage cuts (DESIGN.md §5; paper §3.3).
+"""Inter-TaskGraph (pipeline) balancing: device order and contiguous stage cuts (Whale paper, Jia et al.,
+USENIX ATC 2022, §3.3: pipeline stages cut by device memory and speed).
 
 Stage s of S takes a contiguous run of layers (at least one). Its time is (sum of its layers' FLOPs) /
 ``stage_flops[s]``; its memory is (sum of its layers' static bytes) + ``in_flight[s]`` x (sum of its layers'
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from whale.plan.balance import InfeasiblePlanError
+from whale.plan.schedule import in_flight_micro_batches
 
 
 def order_devices_by_memory(mem: Sequence[float]) -> list[int]:
@@ -30,6 +32,11 @@ def uniform_partition(n_layers: int, n_stages: int) -> list[int]:
         raise ValueError(f"cannot cut {n_layers} layers into {n_stages} non-empty stages")
     q, r = divmod(n_layers, n_stages)
     return [q + (1 if s < r else 0) for s in range(n_stages)]
+
+
+def _one_f_one_b_in_flight(num_stages: int) -> list[int]:
+    """Micro-batches each stage holds under 1F1B with enough micro-batches to fill it: S - s on stage s."""
+    return [in_flight_micro_batches(s, num_stages, num_stages) for s in range(num_stages)]
 
 
 def _bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -52,7 +59,7 @@ def stage_memory(counts: Sequence[int], layer_mem: Sequence[float], layer_act_me
     ``in_flight`` defaults to 1F1B's S - s; ``layer_act_mem`` to zeros."""
     S = len(counts)
     act = layer_act_mem if layer_act_mem is not None else [0.0] * len(layer_mem)
-    fl = in_flight if in_flight is not None else [S - s for s in range(S)]
+    fl = in_flight if in_flight is not None else _one_f_one_b_in_flight(S)
     return [sum(layer_mem[a:b]) + fl[s] * sum(act[a:b]) for s, (a, b) in enumerate(_bounds(counts))]
 
 
@@ -98,7 +105,7 @@ def _check_inputs(layer_flops, layer_mem, stage_flops, stage_mem_capacity, layer
 def partition_layers(layer_flops: Sequence[float], layer_mem: Sequence[float], stage_flops: Sequence[float],
                      stage_mem_capacity: Sequence[float], layer_act_mem: Sequence[float] | None = None,
                      in_flight: Sequence[int] | None = None) -> list[int]:
-    """Contiguous layer counts per stage minimizing the slowest stage within memory (DESIGN.md §5).
+    """Contiguous layer counts per stage minimizing the slowest stage within memory (paper §3.3).
 
     Args:
         layer_flops: work per layer (FLOPs per micro-batch, forward + backward; any consistent unit).
@@ -108,7 +115,7 @@ def partition_layers(layer_flops: Sequence[float], layer_mem: Sequence[float], s
         stage_mem_capacity: bytes each stage's device may use, in stage order.
         layer_act_mem: activation bytes per layer per micro-batch (default zeros).
         in_flight: micro-batches each stage holds at once (default 1F1B's S - s for stage s; see
-            :func:`whale.plan.cost.in_flight_micro_batches`).
+            :func:`whale.plan.schedule.in_flight_micro_batches`).
 
     Returns:
         Layer counts per stage (each >= 1, adding up to the number of layers), minimizing
@@ -122,7 +129,7 @@ def partition_layers(layer_flops: Sequence[float], layer_mem: Sequence[float], s
     """
     _check_inputs(layer_flops, layer_mem, stage_flops, stage_mem_capacity, layer_act_mem, in_flight)
     n, S = len(layer_flops), len(stage_flops)
-    fl = list(in_flight) if in_flight is not None else [S - s for s in range(S)]
+    fl = list(in_flight) if in_flight is not None else _one_f_one_b_in_flight(S)
     P = np.concatenate([[0.0], np.cumsum(np.asarray(layer_flops, dtype=np.float64))])
     M = np.concatenate([[0.0], np.cumsum(np.asarray(layer_mem, dtype=np.float64))])
     A = np.concatenate([[0.0], np.cumsum(np.asarray(layer_act_mem or [0.0] * n, dtype=np.float64))])

@@ -1,23 +1,67 @@
-"""The plan: plain, printable, JSON-round-trippable data that the runtime executes (DESIGN.md §2, §3).
+"""The plan: frozen, printable, JSON-round-trippable data that fully describes how a model runs.
 
-Rank layout. With S TaskGraphs (stages) of n devices each and K nested replicas, a replica spans D = S*n
-ranks and rank ``k*D + s*n + j`` runs stage ``s`` for data-parallel *lane* ``(k, j)`` (lane index
-``k*n + j``). A lane is one path of a micro-batch through all stages; lanes split every micro-batch by
-``lane_weights``. Without pipelining (S = 1) a lane is simply a data-parallel rank.
+The plan is the whole contract between planning and running: the front end (:mod:`whale.frontend`) makes one
+from a model, its annotations and a cluster; the runtime executes it and decides nothing. A change (a
+rebalance, a resume with other shares) makes a new plan with :func:`dataclasses.replace`; a plan is never
+mutated. ``Plan.from_json(plan.to_json()) == plan`` holds exactly.
+
+Rank layout. With S stages of n devices each and K nested replicas, a replica spans D = S*n ranks and slot
+``k*D + s*n + j`` runs stage ``s`` for data-parallel *lane* ``(k, j)`` (lane index ``k*n + j``);
+``device_order`` maps slots to global ranks (identity when empty). A lane is one path of a micro-batch through
+all stages; lanes split every micro-batch by ``lane_weights``. Without pipelining (S = 1) a lane is simply a
+data-parallel rank. This is the rank grid ``[S, K, n]`` (mesh axes ``pp``, ``dp``, ``tp``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from whale.plan.schedule import SCHEDULES, ScheduleName
+
+Kind = Literal["replicate", "split"]
+KINDS: tuple[str, ...] = get_args(Kind)
 
 
 class PlanError(ValueError):
     """A plan that cannot run: the message names the bad value, the limit and the fix."""
 
 
-@dataclass
+def _tuple(values, item=lambda v: v) -> tuple:
+    return tuple(item(v) for v in values)
+
+
+def _check_kind(kind: str, where: str) -> None:
+    if kind not in KINDS:
+        raise PlanError(f"{where}: kind {kind!r} is unknown; choose one of {KINDS}")
+
+
+@dataclass(frozen=True)
+class NestedScope:
+    """A scope nested in a TaskGraph: today a ``split`` inside a ``replicate`` (a sharded operator inside each
+    replica, over the replica's devices).
+
+    Attributes:
+        kind: ``"split"`` (the one meaningful nesting).
+        device_count: devices requested by the annotation (``None`` = the TaskGraph's devices).
+        modules: module FQNs it shards.
+        shard_weights: relative shard size per device of the replica (empty = equal shards).
+    """
+
+    kind: Kind
+    device_count: int | None
+    modules: tuple[str, ...] = ()
+    shard_weights: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind, "nested scope")
+        object.__setattr__(self, "modules", _tuple(self.modules, str))
+        object.__setattr__(self, "shard_weights", _tuple(self.shard_weights, float))
+
+
+@dataclass(frozen=True)
 class TaskGraph:
     """One annotated part of the model and the devices (per replica) that run it.
 
@@ -26,69 +70,126 @@ class TaskGraph:
         kind: ``"replicate"`` or ``"split"``.
         device_count: devices per replica in its VirtualDevice.
         modules: module FQNs (or ``module.param`` names) it holds, compressed to the largest whole modules.
-        num_params: parameter elements it holds (tied parameters counted in every TG that holds them).
-        nested: nested scopes inside it, e.g. ``[{"kind": "split", "device_count": 2, "modules": [...]}]``.
-        shard_weights: for split (or a nested split), the relative shard size of each device of the VD;
-            empty = equal shards.
+        num_params: parameter elements it holds; a parameter tied across stages counts in the first only.
+        nested: scopes nested inside it.
+        shard_weights: for ``split``, the relative shard size of each device of the VD (empty = equal).
     """
 
     index: int
-    kind: str
+    kind: Kind
     device_count: int
-    modules: list[str] = field(default_factory=list)
+    modules: tuple[str, ...] = ()
     num_params: int = 0
-    nested: list[dict] = field(default_factory=list)
-    shard_weights: list[float] = field(default_factory=list)
+    nested: tuple[NestedScope, ...] = ()
+    shard_weights: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind, f"TaskGraph {self.index}")
+        object.__setattr__(self, "modules", _tuple(self.modules, str))
+        object.__setattr__(self, "nested", _tuple(self.nested, lambda n: n if isinstance(n, NestedScope)
+                                                  else NestedScope(**n)))
+        object.__setattr__(self, "shard_weights", _tuple(self.shard_weights, float))
 
     @property
     def has_split(self) -> bool:
         """True when this TaskGraph, or a scope nested in it, shards operators."""
-        return self.kind == "split" or any(n["kind"] == "split" for n in self.nested)
+        return self.kind == "split" or any(n.kind == "split" for n in self.nested)
 
 
-@dataclass
+@dataclass(frozen=True)
+class SharedParam:
+    """One parameter held by several pipeline stages (a tied input embedding and output head); its gradients
+    are summed over every rank of every stage holding it.
+
+    Attributes:
+        names: every FQN of the tensor in the model (sorted).
+        stages: the stages holding it (ascending).
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", _tuple(self.names, str))
+        object.__setattr__(self, "stages", _tuple(self.stages, int))
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """What one pipeline stage runs, by name, in the model's ``torch.fx`` trace (with the plan's
+    ``leaf_modules`` traced as single calls).
+
+    Attributes:
+        nodes: names of the graph nodes (calls) the stage runs, in graph order.
+        params: parameter FQNs the stage holds (tied ones under every name it uses).
+        buffers: buffer FQNs the stage holds.
+        units: the layer units the hardware-aware cut gave this stage (empty when the annotations cut).
+    """
+
+    nodes: tuple[str, ...]
+    params: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "params", "buffers", "units"):
+            object.__setattr__(self, name, _tuple(getattr(self, name), str))
+
+
+@dataclass(frozen=True)
 class Plan:
-    """TaskGraphs x VirtualDevices x per-lane loads x schedule x shared-parameter groups.
+    """TaskGraphs x VirtualDevices x per-lane loads x schedule x stage cut x shared parameters.
 
     Attributes:
         world_size: number of ranks.
-        task_graphs: TaskGraphs in model order; with ``len > 1`` each one is a pipeline stage.
-        num_replicas: K, the nested data-parallel degree (whole plan copied K times).
+        task_graphs: TaskGraphs in model order; with several (not colocated) each one is a pipeline stage.
+        num_replicas: K, the nested data-parallel degree (whole pipeline copied K times).
         num_micro_batch: micro-batches per mini-batch.
         schedule: ``"1F1B"`` or ``"GPipe"``.
         lane_weights: relative batch load of each lane (len = K * n); batch rows are apportioned exactly.
-        shared_params: parameter FQN groups held by several stages (tied weights), ``[[name, ...], ...]``;
-            their gradients are summed over every rank that holds them.
-        notes: free-form lines shown in the printout (e.g. "emulated cluster").
+        shared_params: parameters held by several stages (tied weights).
+        stage_cuts: per pipeline stage, the graph nodes, parameters and buffers it owns (empty = no cut:
+            one stage runs the whole model).
+        leaf_modules: modules traced as single calls when cutting (the split targets, swapped for their
+            shards at run time).
         colocated: the TaskGraphs share the same devices and run one after another in one stage (Whale's
             replicate backbone + split head); otherwise each TaskGraph is a pipeline stage on its own devices.
-        device_order: slot -> global rank (empty = identity). Slot ``k*D + s*n + j`` runs stage s of lane
-            ``k*n + j``; the hardware-aware planner reorders devices (e.g. largest memory on stage 0).
+        device_order: slot -> global rank (empty = identity); see the module docstring.
         devices: device type name of each rank (from the cluster spec; empty when unknown).
-        predicted_utilization: per rank, predicted busy share of the step (1.0 = the bottleneck device).
-        stage_layers: when the planner cut the pipeline, the unit names each stage holds.
+        predicted_utilization: per rank, predicted busy share of the step: its compute time over the slowest
+            rank's (1.0 = the bottleneck; empty when not hardware-aware).
         stage_flops: training FLOPs per sample of each stage, when the model was profiled.
+        notes: free-form lines shown in the printout (e.g. "emulated cluster").
     """
 
     world_size: int
-    task_graphs: list[TaskGraph]
+    task_graphs: tuple[TaskGraph, ...]
     num_replicas: int
     num_micro_batch: int = 1
-    schedule: str = "1F1B"
-    lane_weights: list[float] = field(default_factory=list)
-    shared_params: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    schedule: ScheduleName = "1F1B"
+    lane_weights: tuple[float, ...] = ()
+    shared_params: tuple[SharedParam, ...] = ()
+    stage_cuts: tuple[StageCut, ...] = ()
+    leaf_modules: tuple[str, ...] = ()
     colocated: bool = False
-    device_order: list[int] = field(default_factory=list)
-    devices: list[str] = field(default_factory=list)
-    predicted_utilization: list[float] = field(default_factory=list)
-    stage_layers: list[list[str]] = field(default_factory=list)
-    stage_flops: list[float] = field(default_factory=list)
+    device_order: tuple[int, ...] = ()
+    devices: tuple[str, ...] = ()
+    predicted_utilization: tuple[float, ...] = ()
+    stage_flops: tuple[float, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self.task_graphs = [tg if isinstance(tg, TaskGraph) else TaskGraph(**tg) for tg in self.task_graphs]
-        if not self.lane_weights:
-            self.lane_weights = [1.0] * self.num_lanes
+        coerce = {
+            "task_graphs": lambda tg: tg if isinstance(tg, TaskGraph) else TaskGraph(**tg),
+            "shared_params": lambda s: s if isinstance(s, SharedParam) else SharedParam(**s),
+            "stage_cuts": lambda c: c if isinstance(c, StageCut) else StageCut(**c),
+            "lane_weights": float, "leaf_modules": str, "device_order": int, "devices": str,
+            "predicted_utilization": float, "stage_flops": float, "notes": str,
+        }
+        for name, item in coerce.items():
+            object.__setattr__(self, name, _tuple(getattr(self, name), item))
+        if not self.lane_weights and self.task_graphs:
+            object.__setattr__(self, "lane_weights", (1.0,) * self.num_lanes)
         self.validate()
 
     # --- derived layout ----------------------------------------------------------------------------------
@@ -127,35 +228,46 @@ class Plan:
         stage, j = divmod(rest, n)
         return stage, k * n + j
 
+    def rank_grid(self) -> list[list[list[int]]]:
+        """Global ranks as a ``[S][K][n]`` grid (mesh axes ``pp``, ``dp``, ``tp``): ``[s][k][j]`` runs stage s
+        of lane ``k*n + j``."""
+        n = self.stage_width
+        return [[[self.rank_of(s, k * n + j) for j in range(n)] for k in range(self.num_replicas)]
+                for s in range(self.num_stages)]
+
     def stage_ranks(self, stage: int) -> list[int]:
         """Ranks of one stage, ordered by lane (the stage's data-parallel group)."""
         return [self.rank_of(stage, lane) for lane in range(self.num_lanes)]
 
-    def stage_task_graphs(self, stage: int) -> list[TaskGraph]:
+    def stage_task_graphs(self, stage: int) -> tuple[TaskGraph, ...]:
         """TaskGraphs run by a stage (all of them when colocated)."""
-        return self.task_graphs if self.colocated else [self.task_graphs[stage]]
+        return self.task_graphs if self.colocated else (self.task_graphs[stage],)
 
-    def split_group_ranks(self, stage: int, replica: int) -> list[int]:
-        """The n ranks of one replica of a stage: the devices a split shards over (group-rank order)."""
-        n = self.stage_width
-        return [self.rank_of(stage, replica * n + j) for j in range(n)]
-
-    def shard_replica_ranks(self, stage: int, shard: int) -> list[int]:
-        """Ranks holding the same shard in every replica: their split gradients are summed."""
-        n = self.stage_width
-        return [self.rank_of(stage, k * n + shard) for k in range(self.num_replicas)]
+    def split_targets(self, stage: int) -> list[tuple[str, tuple[float, ...]]]:
+        """``(module FQN, shard weights)`` of every module a stage runs under ``split`` (top-level or nested)."""
+        out = []
+        for tg in self.stage_task_graphs(stage):
+            if tg.kind == "split":
+                out += [(name, tg.shard_weights) for name in tg.modules]
+            for nest in tg.nested:
+                if nest.kind == "split":
+                    out += [(name, nest.shard_weights) for name in nest.modules]
+        return out
 
     # --- batch apportioning ------------------------------------------------------------------------------
     def micro_batch_rows(self, global_batch: int) -> list[list[tuple[int, int]]]:
         """Row ranges ``[lane][micro_batch] -> (start, stop)`` into the global batch (dim 0).
 
         The global batch is cut into ``num_micro_batch`` equal micro-batches; each micro-batch is cut across
-        lanes by ``lane_weights`` with whole rows that add up exactly (largest remainder).
+        lanes by ``lane_weights`` with whole rows that add up exactly (largest remainder,
+        :func:`whale.plan.balance.proportional_shares`).
 
         Raises:
             PlanError: the batch does not divide into micro-batches, or a micro-batch has fewer rows than
                 there are lanes (some lane would get no rows).
         """
+        from whale.plan.balance import proportional_shares  # balance imports PlanError from here
+
         m = self.num_micro_batch
         smallest = m * self.num_lanes
         if global_batch % m:
@@ -166,7 +278,7 @@ class Plan:
                 f"{m} micro-batches), e.g. {good}"
             )
         mb = global_batch // m
-        shares = apportion(mb, self.lane_weights)
+        shares = proportional_shares(mb, list(self.lane_weights))
         if mb < self.num_lanes or min(shares) < 1:
             raise PlanError(
                 f"each micro-batch has {mb} rows (batch {global_batch} / {m} micro-batches) but there are "
@@ -182,60 +294,86 @@ class Plan:
         """Check the plan's internal consistency; raises :class:`PlanError` naming the problem."""
         if not self.task_graphs:
             raise PlanError("plan has no TaskGraphs")
-        widths = {tg.device_count for tg in self.task_graphs}
-        if len(widths) != 1:
+        widths = [tg.device_count for tg in self.task_graphs]
+        if len(set(widths)) != 1:
             raise PlanError(
-                f"pipeline stages have different device counts {[tg.device_count for tg in self.task_graphs]}; "
-                "stages of unequal width need a batch bridge between them, which is not implemented yet: give "
-                "every stage the same device_count (nested data parallelism replicates the whole pipeline)"
-            )
-        per_replica = self.num_stages * self.stage_width
+                f"pipeline stages have different device counts {widths}; stages of unequal width need a batch "
+                "bridge between them, which is not implemented yet: give every stage the same device_count "
+                "(nested data parallelism replicates the whole pipeline)")
         for tg in self.task_graphs:
-            if tg.shard_weights and len(tg.shard_weights) != tg.device_count:
-                raise PlanError(f"TaskGraph {tg.index}: {len(tg.shard_weights)} shard_weights for "
-                                f"{tg.device_count} devices")
+            for what, weights in [("shard_weights", tg.shard_weights)] + [
+                    ("nested shard_weights", n.shard_weights) for n in tg.nested]:
+                if weights and (len(weights) != tg.device_count or min(weights) <= 0):
+                    raise PlanError(f"TaskGraph {tg.index}: {what} {list(weights)} must hold {tg.device_count} "
+                                    "positive numbers, one per device")
+        per_replica = self.num_stages * self.stage_width
         if self.num_replicas < 1 or per_replica * self.num_replicas != self.world_size:
-            raise PlanError(
-                f"{self.num_replicas} replica(s) x {per_replica} devices != world size {self.world_size}"
-            )
-        if len(self.lane_weights) != self.num_lanes or any(w <= 0 for w in self.lane_weights):
-            raise PlanError(
-                f"lane_weights {self.lane_weights} must hold {self.num_lanes} positive numbers, one per "
-                "data-parallel lane"
-            )
+            raise PlanError(f"{self.num_replicas} replica(s) x {per_replica} devices != world size {self.world_size}")
+        if len(self.lane_weights) != self.num_lanes or any(not w > 0 for w in self.lane_weights):
+            raise PlanError(f"lane_weights {list(self.lane_weights)} must hold {self.num_lanes} positive numbers, "
+                            "one per data-parallel lane")
         if self.num_micro_batch < 1:
             raise PlanError(f"num_micro_batch={self.num_micro_batch} must be >= 1")
-        if self.device_order and sorted(self.device_order) != list(range(self.world_size)):
-            raise PlanError(f"device_order {self.device_order} must be a permutation of 0..{self.world_size - 1}")
-        if self.devices and len(self.devices) != self.world_size:
-            raise PlanError(f"devices lists {len(self.devices)} entries for world size {self.world_size}")
-        if self.schedule not in ("1F1B", "GPipe"):
-            raise PlanError(f"schedule {self.schedule!r} is unknown; choose '1F1B' or 'GPipe'")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule {self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        self._validate_ranks()
+        self._validate_cut()
+
+    def _validate_ranks(self) -> None:
+        w = self.world_size
+        if self.device_order and sorted(self.device_order) != list(range(w)):
+            raise PlanError(f"device_order {list(self.device_order)} must be a permutation of 0..{w - 1}")
+        for name in ("devices", "predicted_utilization"):
+            if getattr(self, name) and len(getattr(self, name)) != w:
+                raise PlanError(f"{name} lists {len(getattr(self, name))} entries for world size {w}")
+        if self.stage_flops and len(self.stage_flops) != self.num_stages:
+            raise PlanError(f"stage_flops lists {len(self.stage_flops)} entries for {self.num_stages} stages")
+
+    def _validate_cut(self) -> None:
+        if self.stage_cuts and len(self.stage_cuts) != self.num_stages:
+            raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_stages}")
+        for sp in self.shared_params:
+            if len(sp.stages) < 2 or any(not 0 <= s < self.num_stages for s in sp.stages):
+                raise PlanError(f"shared parameter {list(sp.names)} lists stages {list(sp.stages)}; it needs two "
+                                f"or more of 0..{self.num_stages - 1}")
+
+    def to_dict(self) -> dict:
+        """Plain-data form (tuples become lists); :meth:`from_dict` inverts it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        """Inverse of :meth:`to_dict`; validates the result.
+
+        Raises:
+            PlanError: unknown fields (naming them) or an inconsistent plan.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"plan data has unknown fields {unknown}; was it written by another Whale version?")
+        return cls(**data)
 
     def to_json(self, **kw) -> str:
-        """Serialize to JSON (round-trips through :meth:`from_json`)."""
-        return json.dumps(dataclasses.asdict(self), **kw)
+        """Serialize to JSON (``Plan.from_json(p.to_json()) == p``)."""
+        return json.dumps(self.to_dict(), **kw)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Inverse of :meth:`to_json`; validates the result."""
-        return cls(**json.loads(text))
+        """Inverse of :meth:`to_json`; validates the result.
+
+        Raises:
+            PlanError: the text is not a plan (naming what is wrong).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"not a JSON plan: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"a JSON plan is an object, got {type(data).__name__}")
+        return cls.from_dict(data)
 
     def __str__(self) -> str:
         from whale.plan.printing import format_plan
 
         return format_plan(self)
-
-
-def apportion(total: int, weights: list[float]) -> list[int]:
-    """Whole-number shares of ``total`` proportional to ``weights`` that add up to ``total`` exactly.
-
-    Largest-remainder (Hamilton) method; ties go to the lower index, so the result is deterministic.
-    """
-    wsum = float(sum(weights))
-    raw = [total * w / wsum for w in weights]
-    shares = [int(r) for r in raw]
-    order = sorted(range(len(weights)), key=lambda i: (-(raw[i] - shares[i]), i))
-    for i in order[: total - sum(shares)]:
-        shares[i] += 1
-    return shares

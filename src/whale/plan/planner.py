@@ -1,18 +1,20 @@
-"""The planner: a pure function from a model summary, world size and config to a :class:`Plan` (DESIGN.md §7).
+"""The planner: a pure function from TaskGraph summaries, a world size and a config to a :class:`Plan`.
 
-It resolves each TaskGraph's device count, the nested data-parallel degree K and the per-lane load shares.
-It touches no process group and no tensor; the hardware-aware search of later issues plugs in here.
+It resolves each TaskGraph's device count, the nested data-parallel degree K and the per-lane load shares; the
+stage cut and shared parameters come in from the front end (:mod:`whale.frontend`), the hardware-aware
+balancing is applied afterwards by :func:`whale.plan.hardware.apply_hardware`. It touches no process group and
+no tensor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from whale.config import Config
-from whale.plan.plan import Plan, PlanError, TaskGraph
+from whale.plan.plan import Kind, NestedScope, Plan, PlanError, SharedParam, StageCut, TaskGraph
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskGraphSummary:
     """What the annotations and the stage cut say about one TaskGraph, before devices are assigned.
 
@@ -24,11 +26,11 @@ class TaskGraphSummary:
         nested: nested scopes, e.g. a ``split`` inside a ``replicate``.
     """
 
-    kind: str
+    kind: Kind
     device_count: int | None
-    modules: list[str] = field(default_factory=list)
+    modules: tuple[str, ...] = ()
     num_params: int = 0
-    nested: list[dict] = field(default_factory=list)
+    nested: tuple[NestedScope, ...] = ()
 
 
 def _scope_text(tgs: list[TaskGraphSummary], counts: list[int]) -> str:
@@ -91,8 +93,9 @@ def make_plan(
     tgs: list[TaskGraphSummary],
     world_size: int,
     config: Config,
-    shared_params: list[list[str]] | None = None,
-    notes: list[str] | None = None,
+    stage_cuts: tuple[StageCut, ...] = (),
+    shared_params: tuple[SharedParam, ...] = (),
+    leaf_modules: tuple[str, ...] = (),
 ) -> Plan:
     """Build the plan (pure function).
 
@@ -100,8 +103,9 @@ def make_plan(
         tgs: TaskGraphs in model order (each a pipeline stage when there are several).
         world_size: number of ranks.
         config: validated :class:`Config` (micro-batches, schedule, load shares).
-        shared_params: parameter names held by several stages (tied weights).
-        notes: extra lines for the printout.
+        stage_cuts: per stage, what it owns in the traced model (pipelines only).
+        shared_params: parameters held by several stages (tied weights).
+        leaf_modules: modules the stage cut traced as single calls.
 
     Raises:
         PlanError: device counts do not fit the world size; ``load_shares`` has the wrong length.
@@ -120,19 +124,18 @@ def make_plan(
             f"load_shares has {len(weights)} entries but the plan has {lanes} data-parallel lanes "
             f"({k} replica(s) x {counts[0]} devices per stage); give one share per lane"
         )
-    task_graphs = [
-        TaskGraph(i, tg.kind, c, list(tg.modules), tg.num_params, list(tg.nested))
-        for i, (tg, c) in enumerate(zip(tgs, counts, strict=True))
-    ]
+    task_graphs = tuple(TaskGraph(i, tg.kind, c, tg.modules, tg.num_params, tg.nested)
+                        for i, (tg, c) in enumerate(zip(tgs, counts, strict=True)))
     return Plan(
         world_size=world_size,
         task_graphs=task_graphs,
         num_replicas=k,
         num_micro_batch=config.num_micro_batch,
         schedule=config.schedule,
-        lane_weights=weights,
-        shared_params=list(shared_params or []),
-        notes=list(notes or []),
+        lane_weights=tuple(weights),
+        shared_params=tuple(shared_params),
+        stage_cuts=tuple(stage_cuts),
+        leaf_modules=tuple(leaf_modules),
         colocated=colocated,
     )
 
@@ -140,9 +143,9 @@ def make_plan(
 def _check_nested(tgs: list[TaskGraphSummary], counts: list[int]) -> None:
     for tg, c in zip(tgs, counts, strict=True):
         for nest in tg.nested:
-            want = nest.get("device_count")
+            want = nest.device_count
             if want is not None and want != c:
                 raise PlanError(
-                    f"{nest['kind']}({want}) nested in {tg.kind}({c}) must span the same {c} devices (a sharded "
-                    f"operator inside each replica uses the replica's devices); use {nest['kind']}({c}) or "
-                    f"{nest['kind']}()")
+                    f"{nest.kind}({want}) nested in {tg.kind}({c}) must span the same {c} devices (a sharded "
+                    f"operator inside each replica uses the replica's devices); use {nest.kind}({c}) or "
+                    f"{nest.kind}()")

@@ -2,54 +2,98 @@
 
 from __future__ import annotations
 
-from whale.plan.plan import Plan
+import textwrap
+
+from whale.plan.plan import Plan, TaskGraph
 
 
-def _short(names: list[str], width: int = 48) -> str:
+def _layout(plan: Plan) -> str:
+    """What runs where, in the field's words, e.g. ``2 pipeline stages x 2-way data parallel``."""
+    n, k = plan.stage_width, plan.num_replicas
+    kinds = {tg.kind for tg in plan.task_graphs}
+    if plan.colocated:
+        what = " + ".join(dict.fromkeys(tg.kind for tg in plan.task_graphs))
+        parts = [f"{what} on the same {n} device(s)"]
+    elif plan.is_pipeline:
+        parts = [f"{plan.num_stages} pipeline stages of {n} device(s)"]
+    elif kinds == {"split"}:
+        parts = [f"split over {n} device(s) (sharded operators)"]
+    else:
+        parts = [f"{n}-way data parallel"]
+    if k > 1 and (plan.is_pipeline or plan.colocated or kinds == {"split"}):
+        parts.append(f"x {k} replicas (nested data parallel)")
+    elif k > 1:
+        parts[0] = f"{n * k}-way data parallel"
+    if any(tg.has_split for tg in plan.task_graphs) and not plan.colocated and kinds != {"split"}:
+        parts.append("with split operators")
+    return " ".join(parts)
+
+
+def _header(plan: Plan) -> str:
+    mb = plan.num_micro_batch
+    if plan.is_pipeline:
+        steps = f"{mb} micro-batch(es), schedule {plan.schedule}"
+    else:
+        steps = f"{mb} micro-batches (gradient accumulation)" if mb > 1 else "1 micro-batch"
+    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}"
+
+
+def _wrapped(prefix: str, names, width: int = 110) -> list[str]:
     text = ", ".join(names) if names else "-"
-    return text if len(text) <= width else text[: width - 3] + "..."
+    lines = textwrap.wrap(text, width=width - len(prefix), break_on_hyphens=False) or ["-"]
+    return [prefix + lines[0]] + [" " * len(prefix) + line for line in lines[1:]]
+
+
+def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
+    stage = 0 if plan.colocated else tg.index
+    ranks = ",".join(map(str, plan.stage_ranks(stage)))
+    lead = f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>12,}  "
+    rows = _wrapped(lead, tg.modules)
+    for nest in tg.nested:
+        rows += _wrapped(f"{'':>4}  nested {nest.kind}({nest.device_count or tg.device_count}): ", nest.modules)
+    return rows
 
 
 def format_plan(plan: Plan) -> str:
-    """A table of TaskGraphs (kind, devices, ranks, modules, params), lanes with their load shares, and the
-    schedule line."""
-    kind = "pipeline" if plan.is_pipeline else "data parallel"
-    lines = [
-        f"Whale plan: world {plan.world_size} = {plan.num_replicas} replica(s) x "
-        f"{plan.num_stages * plan.stage_width} devices  [{kind}, {plan.num_micro_batch} micro-batch(es), "
-        f"schedule {plan.schedule}]",
-        f"{'TG':>3} {'kind':<10} {'dev':>3}  {'ranks':<16} {'params':>10}  modules",
-    ]
+    """A table of TaskGraphs (kind, devices per replica, ranks, parameters, modules), then the lanes' shares,
+    the stage cut, the devices and what is shared or noted."""
+    lines = [_header(plan), f"{'TG':>3} {'kind':<10} {'dev':>3}  {'ranks':<16} {'params':>12}  modules"]
     for tg in plan.task_graphs:
-        ranks = ",".join(map(str, plan.stage_ranks(0 if plan.colocated else tg.index)))
-        lines.append(f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>10,}  "
-                     f"{_short(tg.modules)}")
-        for nest in tg.nested:
-            lines.append(f"{'':>4}  nested {nest['kind']}({nest.get('device_count')}): {_short(nest['modules'])}")
-    wsum = sum(plan.lane_weights)
-    shares = "  ".join(f"lane {i}: {w / wsum:.1%}" for i, w in enumerate(plan.lane_weights))
-    lines.append(f"load shares per data-parallel lane: {shares}")
-    for s, names in enumerate(plan.stage_layers):
-        lines.append(f"stage {s} cut (hardware-aware): {_short(names, 90)}")
+        lines += _task_graph_rows(plan, tg)
+    if plan.num_lanes > 1:
+        wsum = sum(plan.lane_weights)
+        lines.append("batch share per data-parallel lane: "
+                     + "  ".join(f"lane {i}: {w / wsum:.1%}" for i, w in enumerate(plan.lane_weights)))
+    for s, cut in enumerate(plan.stage_cuts):
+        sizes = f"{len(cut.nodes)} graph nodes, {len(cut.params)} parameters, {len(cut.buffers)} buffers"
+        if cut.units:
+            lines += _wrapped(f"stage {s} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
+        else:
+            lines.append(f"stage {s} ({sizes}), cut as annotated")
     if plan.devices:
         lines.extend(_device_rows(plan))
-    if plan.shared_params:
-        lines.append("shared across stages (gradients summed): " + "; ".join("=".join(g) for g in plan.shared_params))
+    for sp in plan.shared_params:
+        lines.append(f"tied across stages {', '.join(map(str, sp.stages))} (gradients summed): "
+                     + " = ".join(sp.names))
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
 
 
 def _device_rows(plan: Plan) -> list[str]:
-    """Per rank: device type, stage, lane, batch share and predicted utilization."""
+    """Per rank: device type, stage, lane, batch share and predicted busy share."""
     wsum = sum(plan.lane_weights)
-    rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'pred. util':>10}"]
+    rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'busy*':>6}"]
     for r in range(plan.world_size):
         stage, lane = plan.coords(r)
         util = f"{plan.predicted_utilization[r]:.0%}" if plan.predicted_utilization else "-"
         rows.append(f"{r:>4} {plan.devices[r]:<16} {stage:>5} {lane:>4} {plan.lane_weights[lane] / wsum:>7.1%} "
-                    f"{util:>10}")
+                    f"{util:>6}")
+    rows.append("* busy: predicted share of the step this rank computes (its compute time over the slowest "
+                "rank's; 100% = the bottleneck)")
     for tg in plan.task_graphs:
-        if tg.shard_weights:
-            tot = sum(tg.shard_weights)
-            rows.append(f"TG {tg.index} shard shares: " + "  ".join(f"{w / tot:.1%}" for w in tg.shard_weights))
+        for what, weights in [(f"TG {tg.index} split", tg.shard_weights)] + [
+                (f"TG {tg.index} nested split", n.shard_weights) for n in tg.nested]:
+            if weights:
+                tot = sum(weights)
+                rows.append(f"{what} shard shares: " + "  ".join(f"{w / tot:.1%}" for w in weights))
     return rows

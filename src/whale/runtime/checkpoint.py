@@ -12,87 +12,102 @@ Layout of a checkpoint directory::
 
 from __future__ import annotations
 
-import json
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-if TYPE_CHECKING:
-    from whale.runtime.engine import Engine
+from whale.plan.plan import Plan
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing or was saved under a different plan."""
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`load` brings back besides tensors: the ``step`` count, the user's ``extra`` and the
+    ``lane_weights`` the checkpoint ran with (a speed setting, not a layout: a re-balanced run resumes with
+    them)."""
+
+    step: int
+    extra: dict
+    lane_weights: tuple[float, ...]
+
+
 def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}.pt")
 
 
-def _layout(plan_json: str) -> dict:
-    d = json.loads(plan_json)
-    return {k: d[k] for k in ("world_size", "num_replicas", "num_micro_batch")} | {
-        "stages": [(tg["kind"], tg["device_count"], tg["modules"]) for tg in d["task_graphs"]]
-    }
+def _layout(plan: Plan) -> dict:
+    """What must match for a checkpoint to load: the rank layout and who holds which tensors."""
+    return {"world_size": plan.world_size, "num_replicas": plan.num_replicas,
+            "num_micro_batch": plan.num_micro_batch,
+            "stages": [(tg.kind, tg.device_count, tg.modules) for tg in plan.task_graphs],
+            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts]}
 
 
-def save(engine: Engine, path: str, extra: dict) -> None:
+def save(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int, step: int,
+         extra: dict) -> None:
     """Write this rank's shard (collective: every rank calls it; rank 0 also writes plan.json and model.pt)."""
     os.makedirs(path, exist_ok=True)
-    state = engine.state_dict()
-    state["rng"] = {"torch": torch.get_rng_state()}
+    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+             "rng": {"torch": torch.get_rng_state()}, "extra": extra, "plan": plan.to_json()}
     if torch.cuda.is_available():
         state["rng"]["cuda"] = torch.cuda.get_rng_state()
-    state["extra"] = extra
-    state["plan"] = engine.plan.to_json()
-    tmp = _rank_file(path, engine.rank) + ".tmp"
+    tmp = _rank_file(path, rank) + ".tmp"
     torch.save(state, tmp)
-    os.replace(tmp, _rank_file(path, engine.rank))
-    full = gather_full_state(engine)
-    if engine.rank == 0:
+    os.replace(tmp, _rank_file(path, rank))
+    full = gather_full_state(module, plan, rank)
+    if rank == 0:
         torch.save(full, os.path.join(path, "model.pt"))
         with open(os.path.join(path, "plan.json"), "w") as f:
-            f.write(engine.plan.to_json(indent=2))
-    if engine.world_size > 1:
+            f.write(plan.to_json(indent=2))
+    if plan.world_size > 1:
         dist.barrier()
 
 
-def load(engine: Engine, path: str) -> dict:
-    """Restore this rank's shard, optimizer, step and RNG; returns ``extra``.
+def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int) -> Restored:
+    """Restore this rank's shard, optimizer and RNG.
 
     Raises:
         CheckpointError: the directory has no shard for this rank, or it was saved under another plan.
     """
-    f = _rank_file(path, engine.rank)
+    f = _rank_file(path, rank)
     if not os.path.exists(f):
-        raise CheckpointError(f"no checkpoint shard {f}: was {path!r} saved with {engine.world_size} ranks?")
+        raise CheckpointError(f"no checkpoint shard {f}: was {path!r} saved with {plan.world_size} ranks?")
     state = torch.load(f, map_location="cpu", weights_only=True)
-    saved, now = _layout(state["plan"]), _layout(engine.plan.to_json())
-    if saved != now:
-        diff = [k for k in now if saved.get(k) != now[k]]
+    try:
+        saved = Plan.from_json(state["plan"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path!r} holds a plan this Whale version cannot read ({exc}); it was "
+                              "saved by another version") from None
+    before, now = _layout(saved), _layout(plan)
+    if before != now:
+        diff = [k for k in now if before.get(k) != now[k]]
         raise CheckpointError(f"checkpoint {path!r} was saved under a different plan (differs in {diff}); "
                               "resume with the same world size, annotations and micro-batches")
-    engine.load_state_dict(state)
-    # lane shares are a speed setting, not a layout: a re-balanced run resumes with the shares it had
-    engine.plan.lane_weights = list(json.loads(state["plan"])["lane_weights"])
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return state["extra"]
+    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights)
 
 
-def gather_full_state(engine: Engine) -> dict:
-    """Merge the stage shards of lane 0 into one state dict on rank 0 (CPU tensors); ``{}`` on other ranks."""
+def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
+    """Merge the stage shards of lane 0 into one state dict on rank 0 (CPU tensors); ``{}`` on other ranks.
+    Collective."""
     mine = {}
-    if engine.lane == 0:
-        mine = {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
-    if engine.world_size == 1:
+    if plan.coords(rank)[1] == 0:
+        mine = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    if plan.world_size == 1:
         return mine
-    parts = [None] * engine.world_size if engine.rank == 0 else None
+    parts = [None] * plan.world_size if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
-    if engine.rank != 0:
+    if rank != 0:
         return {}
     full: dict = {}
     for part in parts:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from whale.cluster import ClusterSpec, detect_cluster
+from whale.cluster import ClusterSpec
 from whale.config import Config
+from whale.frontend.planning import resolve_cluster
 
 
 @dataclass(frozen=True)
@@ -65,28 +66,6 @@ def init(config: Config | None = None) -> Context:
     ctx = Context(config, rank, world, device, resolve_cluster(config.cluster, world))
     _CURRENT[:] = [ctx]
     return ctx
-
-
-def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
-    """The job's cluster spec: a :class:`ClusterSpec`, a YAML path, or ``None`` (detected on GPUs; ``None`` on
-    CPU, where devices count as identical).
-
-    Raises:
-        ClusterError: the spec is invalid or declares a different number of devices than the world size.
-    """
-    if cluster is None:
-        spec = detect_cluster(world_size) if torch.cuda.is_available() else None
-    elif isinstance(cluster, ClusterSpec):
-        spec = cluster
-    else:
-        spec = ClusterSpec.from_yaml(os.fspath(cluster))
-    if spec is not None:
-        try:
-            spec.check_world_size(world_size)
-        except ValueError as e:
-            where = f"cluster spec {os.fspath(cluster)!r}: " if isinstance(cluster, str | os.PathLike) else ""
-            raise type(e)(f"{where}{e}") from None
-    return spec
 
 
 def current_context() -> Context:

@@ -1,4 +1,10 @@
-"""Emulated heterogeneous clusters on CPU (DESIGN.md §6): each rank imitates its declared device's speed."""
+"""Emulated heterogeneous clusters on CPU: each rank imitates its declared device's speed.
+
+Our machines have CPUs only, so a cluster spec with ``emulate: true`` makes each CPU rank behave like its
+declared device: its compute segments are stretched to the declared speed relative to the fastest device
+(:class:`EmulatedDevice`), calibrated to the real speed of every rank's core (:func:`calibrate`). Every report
+made under emulation says so.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import collections
 import os
 import statistics
 import time
+
+import torch.distributed as dist
 
 from whale.cluster import ClusterSpec, emulation_delays
 
@@ -88,8 +96,22 @@ def calibrated_slowdowns(cluster: ClusterSpec, unit_times: list[float], world_si
     return [base * top / p - 1.0 for p in prod]
 
 
+def calibrate(cluster: ClusterSpec | None, rank: int, world_size: int) -> EmulatedDevice | None:
+    """This rank's emulated device under an emulated cluster (collective: every rank probes its core's speed at
+    once, after a barrier, and the slowdowns follow :func:`calibrated_slowdowns`); ``None`` when the cluster is
+    not emulated (real hardware)."""
+    if cluster is None or not cluster.emulate:
+        return None
+    if world_size == 1:
+        return EmulatedDevice(emulation_slowdown(cluster, rank, world_size))
+    times = [None] * world_size
+    dist.barrier()  # probe together: every rank under the same host load
+    dist.all_gather_object(times, measure_unit_time())
+    return EmulatedDevice(calibrated_slowdowns(cluster, times, world_size)[rank])
+
+
 class EmulatedDevice:
-    """Stretches this rank's compute segments to its declared device's speed (DESIGN.md §6).
+    """Stretches this rank's compute segments to its declared device's speed.
 
     A segment that took ``c`` seconds of this thread's CPU time, begun at wall time ``w0``, is made to end at
     ``w0 + max(c, (1 + slowdown) * median(c over the last `window` segments with the same key))``: its typical

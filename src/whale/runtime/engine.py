@@ -1,11 +1,17 @@
-"""The engine: executes a :class:`~whale.plan.plan.Plan` on this rank. It decides nothing: batch rows,
-groups, schedule and stage all come from the plan."""
+"""The engine: executes a :class:`~whale.plan.plan.Plan` on this rank and decides nothing.
+
+``Engine = f(model, plan)``: the stage comes from the plan's stage cut, the groups from its rank grid, the rows
+of every micro-batch from its lane weights, the shard sizes from its shard weights. The engine orchestrates a
+step; each part has one job: :class:`~whale.runtime.mesh.Mesh` (groups), :class:`~whale.parallel.regions.
+SplitRuntime` (sharded modules and their rows), :class:`~whale.parallel.data.GradSync` (gradient reduction),
+:class:`~whale.parallel.pipeline.StageExecutor` (the schedule), :class:`~whale.runtime.stats.StepHistory`
+(measurements, re-balancing), :mod:`whale.runtime.emulation` and :mod:`whale.runtime.checkpoint`.
+"""
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -13,28 +19,25 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.parallel.data import GradSync, broadcast_params
-from whale.parallel.pipeline import StageRun, execute
-from whale.parallel.regions import install_split_regions
-from whale.parallel.schedule import Action, make_schedule
-from whale.plan import hardware
+from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
+from whale.parallel.regions import SplitRuntime
+from whale.parallel.stages import build_stage
 from whale.plan.plan import Plan
+from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
 from whale.runtime.context import Context
-from whale.runtime.emulation import (
-    EmulatedDevice,
-    calibrated_slowdowns,
-    emulation_slowdown,
-    measure_unit_time,
-)
-from whale.runtime.groups import build_groups, norm_owned_params, sync_sets
+from whale.runtime.emulation import EmulatedDevice, calibrate
+from whale.runtime.groups import norm_owned_params, sync_sets
+from whale.runtime.mesh import Mesh
 from whale.runtime.optim import make_optimizer
+from whale.runtime.stats import StepHistory, StepTiming
 
 
-def _slice(x, start: int, stop: int):
+def _map(x, fn):
     if isinstance(x, torch.Tensor):
-        return x[start:stop]
+        return fn(x)
     if isinstance(x, tuple | list):
-        return type(x)(_slice(v, start, stop) for v in x)
+        return type(x)(_map(v, fn) for v in x)
     return x
 
 
@@ -49,108 +52,104 @@ def _batch_size(x) -> int:
 class Engine:
     """Runs training steps of one rank's stage under a plan. Made by :func:`whale.parallelize`.
 
+    Args:
+        model: the full local model, built identically on every rank.
+        plan: the plan to run (from :func:`whale.plan_model`, or read back with ``Plan.from_json``).
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over the rows it is given.
+        optimizer: a callable ``params -> Optimizer`` or an optimizer over ``model.parameters()``.
+        ctx: this rank's context (:func:`whale.init`).
+
     Attributes:
-        plan: the plan (print it for a readable table).
+        plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
+            :meth:`load_checkpoint`.
         module: this rank's stage module (the whole model when there is one stage); original FQNs.
         optimizer: the optimizer over this rank's parameters (attach LR schedulers to it).
         stage, lane: this rank's pipeline stage and data-parallel lane.
+        last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
+
+    Raises:
+        StageError: the model does not match the plan's stage cut.
+        SplitError: a split module has no sharding rule.
     """
 
-    def __init__(self, plan: Plan, module: nn.Module, loss_fn: Callable, optimizer, ctx: Context,
-                 shared_stages: list[list[int]] | None = None) -> None:
-        self.plan, self.loss_fn, self.ctx = plan, loss_fn, ctx
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer, ctx: Context) -> None:
+        if plan.world_size != ctx.world_size:
+            raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
+                             "ranks; make a plan for this world size")
+        self.plan, self.ctx = plan, ctx
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.actions: list[Action] = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
+        self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
         self.steps_done = 0
-        self._history: deque = deque(maxlen=20)
+        self.history = StepHistory()
         self.last_timeline: list = []
-        """Per action of the latest step: ``(label, start, compute_start, compute_end)`` seconds."""
-        shared_stages = shared_stages or []
-        groups = build_groups(plan, shared_stages) if ctx.world_size > 1 else {}
-        self.module, self.regions = install_split_regions(module, plan, self.stage, self.lane, groups)
-        self.module.to(ctx.device)
-        self.split_loss = any(r.sharded_output for r in self.regions)
-        split_params = {id(p) for r in self.regions for p in r.parameters()}
-        self._param_groups = sync_sets(plan, self.module, self.stage, self.lane, groups, shared_stages, split_params)
-        broadcast_params(self._param_groups, {g: min(r) for r, g in groups.items() if g is not None})
+        self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
+        self.split = SplitRuntime(build_stage(model, plan, self.stage), plan, self.stage, self.mesh.split)
+        self.module = self.split.module.to(ctx.device)
+        groups = sync_sets(plan, self.module, self.mesh, self.split.params)
+        broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
         self.optimizer = make_optimizer(optimizer, self.module)
-        self.grad_sync = GradSync(self._param_groups, ctx.config.bucket_cap_mb)
+        self.grad_sync = GradSync(groups, ctx.config.bucket_cap_mb)
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
-        self.slowdown = self._emulation(ctx)
-        self._norm_owner = norm_owned_params(plan, self.module, self.stage, self.lane, shared_stages,
-                                             split_params)
+        self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
+        last = self.stage == plan.num_stages - 1
+        links = StageLinks(self.stage, plan.num_stages, plan.rank_of(self.stage - 1, self.lane) if self.stage else None,
+                           None if last else plan.rank_of(self.stage + 1, self.lane))
+        self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
+                                      self._arm)
+        self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
 
+    # --- emulation ---------------------------------------------------------------------------------------
     @property
     def slowdown(self) -> float | None:
         """Emulation only: this rank's extra wait per second of compute; ``None`` when not emulating (real
-        hardware). 0 is an emulated device as fast as this core, with steady segment times. Setting it restarts
-        the emulated device (:class:`whale.runtime.emulation.EmulatedDevice`).
+        hardware). 0 is an emulated device as fast as this core, with steady segment times. Setting it starts a
+        fresh emulated device (:class:`whale.runtime.emulation.EmulatedDevice`), which also schedules this
+        rank's gradient all-reduces.
 
         Raises:
             ValueError: a negative value.
         """
-        return self._emulator.slowdown if self._emulator is not None else None
+        return self.executor.emulator.slowdown if self.executor.emulator is not None else None
 
     @slowdown.setter
     def slowdown(self, value: float | None) -> None:
-        """Set the extra wait per second of compute (>= 0; ``None`` turns emulation off) and start a fresh
-        emulated device, which also schedules this rank's gradient all-reduces.
-
-        Raises:
-            ValueError: a negative value.
-        """
+        """Start a fresh emulated device with this slowdown (``None``: real hardware, no emulation)."""
         if value is not None and value < 0:
             raise ValueError(f"slowdown must be >= 0 (extra seconds per second of compute), got {value}")
-        self._emulator = EmulatedDevice(value) if value is not None else None
-        self.grad_sync.scheduler = self._emulator  # bucket all-reduces start at their emulated times
+        self._set_emulator(EmulatedDevice(value) if value is not None else None)
 
-    def _emulation(self, ctx: Context) -> float | None:
-        """Under an emulated cluster, this rank's slowdown, calibrated to the real speed of every rank's core
-        (collective); ``None`` otherwise."""
-        if ctx.cluster is None or not ctx.cluster.emulate:
-            return None
-        if ctx.world_size == 1:
-            return emulation_slowdown(ctx.cluster, ctx.rank, ctx.world_size)
-        times = [None] * ctx.world_size
-        dist.barrier()  # probe together: every rank under the same host load
-        dist.all_gather_object(times, measure_unit_time())
-        return calibrated_slowdowns(ctx.cluster, times, ctx.world_size)[ctx.rank]
+    def _set_emulator(self, device: EmulatedDevice | None) -> None:
+        self.executor.emulator = device
+        self.grad_sync.scheduler = device  # bucket all-reduces start at their emulated times
 
     # --- stepping ----------------------------------------------------------------------------------------
-    def _stage_run(self, batch, metrics: dict | None = None) -> StageRun:
+    def _micro_batches(self, batch, metrics: dict | None = None) -> MicroBatches:
+        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
         inputs, target = batch
         total = _batch_size(inputs)
-        rows_all = self.plan.micro_batch_rows(total)
-        rows = rows_all[self.lane]
-        n = self.plan.stage_width
-        first_lane = self.lane - self.lane % n
-        for region in self.regions:
-            region.set_rows([rows_all[lane][0][1] - rows_all[lane][0][0] for lane in range(first_lane, first_lane + n)])
-        loss_rows = rows
-        if self.split_loss:  # class-sharded logits cover the rows of every lane of this replica
-            loss_rows = [(a, rows_all[first_lane + n - 1][i][1]) for i, (a, _) in enumerate(rows_all[first_lane])]
-        is_last = self.stage == self.plan.num_stages - 1
-        prev = self.plan.rank_of(self.stage - 1, self.lane) if self.stage > 0 else None
-        nxt = self.plan.rank_of(self.stage + 1, self.lane) if not is_last else None
+        rows = self.plan.micro_batch_rows(total)
+        self.split.start_step(self.plan, rows, self.lane)
+        loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
         dev = self.ctx.device
-        return StageRun(
-            module=self.module, stage=self.stage, num_stages=self.plan.num_stages, prev_rank=prev, next_rank=nxt,
-            inputs=[_to(_slice(inputs, a, b), dev) for a, b in rows] if self.stage == 0 else [],
-            targets=[_to(_slice(target, a, b), dev) for a, b in loss_rows] if is_last else [],
-            scales=[(b - a) / total for a, b in loss_rows], loss_fn=self.loss_fn, device=dev,
-            before_last_backward=self._arm, count_loss=not self.split_loss or self.lane % n == 0,
-            metric_fns=metrics or {}, emulator=self._emulator,
-        )
+
+        def take(x, a, b):
+            """Rows a:b of x, on this rank's device."""
+            return _map(x, lambda t: t[a:b].to(dev, non_blocking=True))
+
+        last = self.stage == self.plan.num_stages - 1
+        return MicroBatches(inputs=[take(inputs, a, b) for a, b in rows[self.lane]] if self.stage == 0 else [],
+                            targets=[take(target, a, b) for a, b in loss_rows] if last else [],
+                            scales=[(b - a) / total for a, b in loss_rows], metric_fns=metrics or {})
 
     def _fuse_loss(self) -> bool:
         # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
-        return (self.plan.num_stages == 1 and not self.regions and not self.plan.shared_params
+        return (self.plan.num_stages == 1 and not self.split.regions and not self.plan.shared_params
                 and bool(self.grad_sync.buckets))
 
-    def _arm(self, run: StageRun) -> None:
-        extra = torch.tensor([run.loss_sum], dtype=torch.float64) if self._fuse_loss() else None
+    def _arm(self, loss_sum: float) -> None:
+        extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
         self.grad_sync.arm(extra)
 
     def _global_sum(self, values: list[float], fused: bool = False) -> list[float]:
@@ -169,8 +168,9 @@ class Engine:
         batch on every rank; each rank takes its rows from the plan.
 
         Returns:
-            ``{"loss": mean loss over the global batch, "step_time": s, "busy_time": s of this rank's compute,
-            "samples": global batch size, "stage": s, "lane": l, "sync_bytes": bytes all-reduced by this rank}``.
+            ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
+            this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
+            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping.
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
@@ -178,26 +178,28 @@ class Engine:
         start = time.perf_counter()
         self.module.train()
         before = self.grad_sync.bytes_reduced
-        run = execute(self._stage_run(batch), self.actions, self.plan.num_micro_batch, train=True)
+        work = self._micro_batches(batch)
+        result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
         self.grad_sync.finish()
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self._zero_grad()
-        (loss,) = self._global_sum([run.loss_sum], fused=self._fuse_loss())
-        elapsed = time.perf_counter() - start
+        (loss,) = self._global_sum([result.loss_sum], fused=self._fuse_loss())
         self.steps_done += 1
+        self.history.record(StepTiming(result.busy, schedule_time, sum(b - a for a, b in self._rows(batch))))
         if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
             self.rebalance()
-        self._history.append((run.busy, schedule_time, sum(b - a for a, b in
-                                                           self.plan.micro_batch_rows(_batch_size(batch[0]))[self.lane])))
-        self.last_timeline = run.timeline
-        out = {"loss": loss, "step_time": elapsed, "schedule_time": schedule_time, "busy_time": run.busy,
-               "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
+        self.last_timeline = result.timeline
+        out = {"loss": loss, "step_time": time.perf_counter() - start, "schedule_time": schedule_time,
+               "busy_time": result.busy, "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
         return out
+
+    def _rows(self, batch) -> list[tuple[int, int]]:
+        return self.plan.micro_batch_rows(_batch_size(batch[0]))[self.lane]
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""
@@ -230,86 +232,52 @@ class Engine:
             ``{"loss": mean over the global batch, **metrics}``.
         """
         self.module.eval()
-        fwd = [a for a in self.actions if a.kind == "F"]
-        run = execute(self._stage_run(batch, metrics), fwd, self.plan.num_micro_batch, train=False)
+        forwards = [a for a in self.actions if a.kind == "F"]
+        result = self.executor.run(forwards, self._micro_batches(batch, metrics), train=False)
         self.module.train()
         names = list(metrics or {})
-        values = self._global_sum([run.loss_sum] + [run.metric_sums.get(k, 0.0) for k in names])
+        values = self._global_sum([result.loss_sum] + [result.metric_sums.get(k, 0.0) for k in names])
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
+    # --- measurements ------------------------------------------------------------------------------------
     def rebalance(self) -> Plan:
         """Re-balance the lanes' batch shares from the compute time per sample measured over recent steps
-        (collective: every rank must call it): per rank, the median over the recorded steps (up to 20) of
-        busy seconds / rows, so a first step's one-off costs (allocation, warm-up) do not skew it. The new plan
-        comes from the pure planner function :func:`whale.plan.hardware.rebalance`; only the shares change, so
-        nothing is rebuilt.
+        (collective: every rank must call it; see :meth:`whale.runtime.stats.StepHistory.rebalance`). Only the
+        shares change, so nothing is rebuilt.
 
         Returns:
             The new plan (also ``self.plan``).
         """
-        per_row = [h[0] / h[2] for h in self._history if h[2]]
-        mine = (self.lane, statistics.median(per_row) if per_row else 0.0)
-        every = [mine] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(every, mine)
-        per_lane = [0.0] * self.plan.num_lanes
-        for lane, t in every:
-            per_lane[lane] = max(per_lane[lane], t)
-        self.plan = hardware.rebalance(self.plan, per_lane)
-        self._history.clear()
+        self.plan = self.history.rebalance(self.plan, self.lane, self.world_size)
         return self.plan
 
     def stage_stats(self) -> list[dict]:
-        """Per stage, mean busy (compute) and schedule seconds over the last 20 steps, gathered from all ranks
-        (collective: every rank must call it). ``step`` is the makespan of the forward/backward schedule (the
-        longest stage window; gradient sync and the optimizer step excluded), so ``idle_share = 1 - busy/step``
-        is the pipeline bubble plus stage-to-stage transfer time, comparable with (p-1)/(m+p-1)."""
-        mine = [sum(h[0] for h in self._history), sum(h[1] for h in self._history), len(self._history)]
-        allv = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(allv, (self.stage, mine))
-        else:
-            allv = [(self.stage, mine)]
-        out = []
-        for s in range(self.plan.num_stages):
-            rows = [v for st, v in allv if st == s and v[2]]
-            busy = sum(r[0] / r[2] for r in rows) / max(1, len(rows))
-            step = sum(r[1] / r[2] for r in rows) / max(1, len(rows))
-            out.append({"stage": s, "busy": busy, "step": step})
-        window = max(o["step"] for o in out)  # the schedule's makespan: the slowest stage's window
-        for o in out:
-            o["step"] = window
-            o["idle_share"] = 1 - o["busy"] / window if window else 0.0
-        return out
+        """Per stage, mean busy seconds and the schedule's makespan over the last 20 steps, with
+        ``idle_share`` (collective; see :meth:`whale.runtime.stats.StepHistory.stage_stats`)."""
+        return self.history.stage_stats(self.plan, self.stage, self.world_size)
 
-    # --- state ---------------------------------------------------------------------------------------------
+    # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict` for the same plan."""
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps_done = int(state.get("step", 0))
-
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names, CPU tensors) on rank 0; ``{}`` elsewhere.
         Collective: every rank must call it."""
-        return checkpoint.gather_full_state(self)
+        return checkpoint.gather_full_state(self.module, self.plan, self.rank)
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
-        """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path``."""
-        checkpoint.save(self, path, extra or {})
+        """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
+        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {})
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what :meth:`save_checkpoint` wrote (same plan); returns the saved ``extra``."""
-        return checkpoint.load(self, path)
+        """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
+        new plan); returns the saved ``extra``.
 
-
-def _to(x, device: torch.device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, tuple | list):
-        return type(x)(_to(v, device) for v in x)
-    return x
+        Raises:
+            CheckpointError: a missing shard or a checkpoint saved under another plan.
+        """
+        restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
+        self.steps_done = restored.step
+        self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights)
+        return restored.extra

@@ -1,4 +1,4 @@
-"""Per-module FLOPs and memory without real compute (DESIGN.md §3, §5; issue 4).
+"""Per-module FLOPs and memory without real compute, for the hardware-aware planner (the Whale paper's §3.3).
 
 :func:`profile_model` runs one forward + backward of the model on *fake* tensors (``FakeTensorMode``, CPU
 device; nothing is allocated or computed) or on the meta device, under ``torch.utils.flop_counter``, and

@@ -1,5 +1,5 @@
 """Hardware-aware analysis: profile the model on fake tensors, cut the pipeline by device speed and memory,
-and build the memory model for the intra-TaskGraph balancer (DESIGN.md §5, §7).
+and build the memory model for the intra-TaskGraph balancer (the Whale paper's §3.3).
 
 Everything here is analysis before any process group is touched; the arithmetic lives in the pure functions
 of :mod:`whale.plan.partition`, :mod:`whale.plan.balance` and :mod:`whale.plan.hardware`.
@@ -13,15 +13,17 @@ from torch import nn
 
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
+from whale.frontend.profile import ModelProfile, profile_model
 from whale.plan.hardware import MemoryModel, apply_hardware
 from whale.plan.partition import partition_layers
-from whale.plan.plan import Plan
-from whale.profile import ModelProfile, profile_model
+from whale.plan.plan import Plan, StageCut
+from whale.plan.schedule import in_flight_micro_batches
 
 
-@dataclass
-class Cut:
-    """Pipeline cut chosen by the planner: ``stage_of`` (id(tensor) -> stage) and the unit names per stage."""
+@dataclass(frozen=True)
+class UnitCut:
+    """Pipeline cut chosen by speed and memory: ``stage_of`` (id(tensor) -> stage) and the unit names per
+    stage."""
 
     stage_of: dict[int, int]
     stage_layers: list[list[str]]
@@ -59,7 +61,7 @@ def _stage_speeds(layout: Plan, cluster: ClusterSpec, dtype: str = "fp32") -> tu
 
 
 def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
-                 global_batch: int) -> Cut:
+                 global_batch: int) -> UnitCut:
     """Contiguous unit cut minimizing the slowest stage within memory, on the devices ``layout`` (a plan with
     the device order already applied) gives each stage.
 
@@ -75,7 +77,7 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     static = [float(u.static_bytes) for u in units]
     act = [u.activation_bytes * mb_rows for u in units]
     s_count, m = layout.num_stages, config.num_micro_batch
-    in_flight = [m if config.schedule == "GPipe" else min(m, s_count - s) for s in range(s_count)]
+    in_flight = [in_flight_micro_batches(s, s_count, m, config.schedule) for s in range(s_count)]
     counts = partition_layers(flops, static, speeds, caps, act, in_flight)
     stage_of: dict[int, int] = {}
     names: list[list[str]] = []
@@ -87,18 +89,32 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
             for t in list(mod.parameters()) + list(mod.buffers()):
                 stage_of.setdefault(id(t), s)
         start += c
-    return Cut(stage_of, names)
+    return UnitCut(stage_of, names)
 
 
-def memory_model(prof: ModelProfile, stage_modules: list[nn.Module], global_batch: int) -> MemoryModel:
-    """Fixed and per-sample bytes per stage: a unit counts in the stage that holds its first tensor; work
-    outside every unit counts in the last stage."""
-    holders = [{id(t) for t in list(m.parameters()) + list(m.buffers())} for m in stage_modules]
-    fixed = [0.0] * len(stage_modules)
-    per = [0.0] * len(stage_modules)
+def _unit_stages(prof: ModelProfile, stage_params: list[set[str]]) -> list[int]:
+    """Stage of each profiled unit: the first stage holding one of its parameters (the last stage otherwise)."""
+    out = []
     for u in prof.units:
-        stage = next((s for s, ids in enumerate(holders) if _holds(ids, u.name, stage_modules[s])),
-                     len(stage_modules) - 1)
+        prefix = u.name + "."
+        out.append(next((s for s, names in enumerate(stage_params)
+                         if any(n == u.name or n.startswith(prefix) for n in names)), len(stage_params) - 1))
+    return out
+
+
+def stage_param_names(cuts: tuple[StageCut, ...], model: nn.Module) -> list[set[str]]:
+    """Parameter FQNs per stage: from the plan's stage cuts, or every parameter of ``model`` for one stage."""
+    if cuts:
+        return [set(c.params) for c in cuts]
+    return [{n for n, _ in model.named_parameters(remove_duplicate=False)}]
+
+
+def memory_model(prof: ModelProfile, stage_params: list[set[str]], global_batch: int) -> MemoryModel:
+    """Fixed and per-sample bytes per stage: a unit counts in the stage that holds its first parameter; work
+    outside every unit counts in the last stage."""
+    fixed = [0.0] * len(stage_params)
+    per = [0.0] * len(stage_params)
+    for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
         fixed[stage] += u.static_bytes
         per[stage] += u.activation_bytes
     fixed[-1] += prof.rest.static_bytes
@@ -106,21 +122,10 @@ def memory_model(prof: ModelProfile, stage_modules: list[nn.Module], global_batc
     return MemoryModel(global_batch, fixed, per)
 
 
-def stage_flops(prof: ModelProfile, stage_modules: list[nn.Module]) -> list[float]:
+def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float, ...]:
     """Training FLOPs per sample of each stage (units by the stage holding their parameters; the rest last)."""
-    holders = [{id(t) for t in list(m.parameters()) + list(m.buffers())} for m in stage_modules]
-    out = [0.0] * len(stage_modules)
-    for u in prof.units:
-        stage = next((s for s, ids in enumerate(holders) if _holds(ids, u.name, stage_modules[s])),
-                     len(stage_modules) - 1)
+    out = [0.0] * len(stage_params)
+    for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
         out[stage] += u.train_flops
     out[-1] += prof.rest.train_flops
-    return out
-
-
-def _holds(ids: set[int], unit: str, module: nn.Module) -> bool:
-    try:
-        sub = module.get_submodule(unit)
-    except AttributeError:
-        return False
-    return any(id(p) in ids for p in sub.parameters())
+    return tuple(out)

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: one list of actions per stage (DESIGN.md §2, §7).
+"""Pipeline schedules as data: one list of actions per stage, plus the formulas that follow from them.
 
 An action is ``F{m}`` (forward of micro-batch m) or ``B{m}`` (backward of m). Communication is implied:
 ``F`` on stage s > 0 first receives its inputs from stage s-1, ``F`` on s < S-1 then sends its outputs to
@@ -8,12 +8,22 @@ under these rules.
 
 Sources: GPipe (Huang et al., 2019) runs all forwards, then all backwards; 1F1B (PipeDream-Flush,
 Narayanan et al., 2021) runs ``S - s`` warm-up forwards on stage s, then alternates one forward and one
-backward, bounding in-flight micro-batches on stage s by ``S - s``.
+backward, bounding in-flight micro-batches on stage s by ``S - s``. On equal stages both leave every stage idle
+for (p-1)/(m+p-1) of the step (p stages, m micro-batches): :func:`bubble_fraction`.
+
+This module is pure data and arithmetic: it imports nothing from the runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+ScheduleName = Literal["1F1B", "GPipe"]
+"""Name of a pipeline schedule."""
+
+SCHEDULES: tuple[ScheduleName, ...] = ("1F1B", "GPipe")
+"""Every schedule Whale can build and run, the default first."""
 
 
 class ScheduleError(ValueError):
@@ -60,10 +70,14 @@ def one_f_one_b(num_stages: int, num_micro_batch: int) -> Schedule:
 
 
 def make_schedule(kind: str, num_stages: int, num_micro_batch: int) -> Schedule:
-    """Build the named schedule (``"1F1B"`` or ``"GPipe"``) and validate it."""
+    """Build the named schedule (one of :data:`SCHEDULES`) and validate it.
+
+    Raises:
+        ScheduleError: an unknown name, or fewer than one stage or micro-batch.
+    """
     builders = {"1F1B": one_f_one_b, "GPipe": gpipe}
-    if kind not in builders:
-        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {sorted(builders)}")
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {list(SCHEDULES)}")
     sched = builders[kind](num_stages, num_micro_batch)
     validate(sched, num_micro_batch)
     return sched
@@ -136,7 +150,7 @@ def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float
     """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch) and a fixed
     P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy": [..], "idle_share": [..]}``.
 
-    With equal stages and ``comm = 0`` the idle share of every stage is (p-1)/(m+p-1) (DESIGN.md §7).
+    With equal stages and ``comm = 0`` the idle share of every stage is :func:`bubble_fraction`.
     """
     last = len(schedule) - 1
     finish: dict[tuple[int, str, int], float] = {}
@@ -156,8 +170,35 @@ def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float
     return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy]}
 
 
+def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int,
+                            schedule: ScheduleName = "1F1B") -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once.
+
+    1F1B: min(S - s, m) (stage s runs S - s forwards before its first backward); GPipe: m (all forwards
+    first). This is :func:`max_in_flight` of the built schedule's stage, in closed form.
+
+    Raises:
+        ValueError: ``stage`` outside ``[0, num_stages)``, a count below 1, or an unknown schedule; the
+            message names the values.
+    """
+    if num_stages < 1 or num_micro_batch < 1 or not 0 <= stage < num_stages:
+        raise ValueError(f"need 0 <= stage < num_stages and counts >= 1, got stage={stage}, "
+                         f"num_stages={num_stages}, num_micro_batch={num_micro_batch}")
+    if schedule == "1F1B":
+        return min(num_stages - stage, num_micro_batch)
+    if schedule == "GPipe":
+        return num_micro_batch
+    raise ValueError(f"schedule {schedule!r} is unknown; choose one of {list(SCHEDULES)}")
+
+
 def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
-    """Theoretical idle share of a stage on equal stages: (p-1)/(m+p-1)."""
+    """Idle share of every stage in a GPipe or 1F1B step on equal stages with free communication:
+    (p-1)/(m+p-1) for p stages and m micro-batches (Huang et al. 2019; Narayanan et al. 2021).
+
+    Raises:
+        ScheduleError: fewer than one stage or micro-batch.
+    """
+    _check_sizes(num_stages, num_micro_batch)
     return (num_stages - 1) / (num_micro_batch + num_stages - 1)
 
 

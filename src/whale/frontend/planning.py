@@ -1,0 +1,108 @@
+"""The front end: model + annotations + cluster -> a complete :class:`~whale.plan.plan.Plan`, and nothing else.
+
+Steps: record the TaskGraphs from the annotations; with a sample batch and a cluster, profile the model on fake
+tensors (no compute); on a mixed cluster, cut the pipeline by device speed and memory (the Whale paper's §3.3);
+cut the traced model into stages and record the cut by name; call the pure planner
+(:func:`whale.plan.planner.make_plan`); balance the plan for the devices
+(:func:`whale.plan.hardware.apply_hardware`). No process group is touched; nothing from :mod:`whale.parallel`
+or :mod:`whale.runtime` is imported, so ``whale plan`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from whale.cluster import ClusterSpec, detect_cluster
+from whale.config import Config
+from whale.frontend import hwplan
+from whale.frontend.stagecut import cut_model
+from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
+from whale.plan.hardware import apply_hardware, is_heterogeneous
+from whale.plan.plan import Plan
+from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
+
+
+def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
+    """The job's cluster spec: a :class:`ClusterSpec`, a YAML path, or ``None`` (detected on GPUs; ``None`` on
+    CPU, where devices count as identical).
+
+    Raises:
+        ClusterError: the spec is invalid or declares a different number of devices than the world size (the
+            message names the spec file).
+    """
+    if cluster is None:
+        spec = detect_cluster(world_size) if torch.cuda.is_available() else None
+    elif isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = ClusterSpec.from_yaml(os.fspath(cluster))
+    if spec is not None:
+        try:
+            spec.check_world_size(world_size)
+        except ValueError as e:
+            where = f"cluster spec {os.fspath(cluster)!r}: " if isinstance(cluster, str | os.PathLike) else ""
+            raise type(e)(f"{where}{e}") from None
+    return spec
+
+
+def plan_model(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None,
+               cluster: ClusterSpec | None = None) -> Plan:
+    """The plan Whale runs ``model`` with on ``world_size`` ranks; no processes needed.
+
+    Args:
+        model: the local model with its ``replicate``/``split`` annotations (or none).
+        world_size: number of ranks.
+        config: micro-batches, schedule, load shares, hardware awareness; ``config.cluster`` (a spec or YAML
+            path) is used when ``cluster`` is not given.
+        sample_batch: a global batch ``(inputs, target)``: lets the planner profile the model on fake tensors
+            for memory-constrained shares and, on a mixed cluster, speed-balanced pipeline cuts (the
+            annotations then fix only the stage count).
+        cluster: an already resolved spec (``whale.init`` resolves it once per job).
+
+    Raises:
+        ValueError: the model has no parameters.
+        PlanError: device counts do not fit the world size, and other plan errors.
+        InfeasiblePlanError: the work cannot fit the devices' memory (names the device and the bytes).
+        StageError: the model cannot be cut into pipeline stages.
+        ClusterError: a bad cluster spec.
+    """
+    config = config or Config()
+    if cluster is None and config.cluster is not None:
+        cluster = resolve_cluster(config.cluster, world_size)
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
+    tg_scopes, stage_of, scopes = task_graph_scopes(model)
+    kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
+    pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
+    aware = cluster is not None and config.hardware_aware
+    prof = hwplan.profile(model, sample_batch) if aware and sample_batch is not None else None
+    units = None
+    if pipelined and prof is not None and is_heterogeneous(cluster):
+        layout = make_plan(kinds, world_size, config)
+        speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
+        stage_of, units = speed_cut.stage_of, speed_cut.stage_layers
+    plan = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units)
+    if not aware:
+        return plan
+    memory = None
+    if prof is not None:
+        params = hwplan.stage_param_names(plan.stage_cuts, model)
+        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch))
+        plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
+    return apply_hardware(plan, cluster, memory)
+
+
+def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units) -> Plan:
+    """Cut the model into stages (pipelines) or TaskGraph name sets (one stage) and call the planner."""
+    if not pipelined:
+        name_sets = colocated_names(model, tg_scopes, scopes)
+        return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config)
+    leaves = split_leaves(model, scopes)
+    cut = cut_model(model, stage_of, len(tg_scopes), leaves, units)
+    name_sets = [set(all_tensors(m)) for m in cut.modules]
+    return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
+                     stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)

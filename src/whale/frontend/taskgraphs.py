@@ -1,0 +1,98 @@
+"""Annotations -> TaskGraphs: which scope owns each tensor, and a summary of each TaskGraph for the planner."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from whale.annotation import Scope, default_strategy, tensor_scopes, top_level
+from whale.plan.plan import NestedScope
+from whale.plan.planner import TaskGraphSummary
+
+
+def compress_names(names: set[str], all_names: list[str]) -> tuple[str, ...]:
+    """Shortest list of module prefixes covering exactly ``names`` among ``all_names`` (dotted FQNs).
+
+    ``{"blocks.0.a.weight", "blocks.0.a.bias"}`` of a model whose ``blocks.0`` holds only those gives
+    ``("blocks.0",)``.
+    """
+    out: list[str] = []
+    for name in sorted(names, key=all_names.index):
+        parts = name.split(".")
+        best = name
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            under = [n for n in all_names if n.startswith(prefix + ".")]
+            if all(n in names for n in under):
+                best = prefix
+                break
+        if best not in out:
+            out.append(best)
+    return tuple(out)
+
+
+def all_tensors(mod: nn.Module) -> dict[str, object]:
+    """Every parameter and buffer of ``mod`` by FQN (tied tensors under each of their names)."""
+    out = dict(mod.named_parameters(remove_duplicate=False))
+    out.update(mod.named_buffers(remove_duplicate=False))
+    return out
+
+
+def task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[int, int], dict[str, Scope]]:
+    """``(top-level scopes in model order, id(tensor) -> TaskGraph index, FQN -> scope)``; a model without any
+    annotation is one TaskGraph of the default strategy."""
+    scopes = tensor_scopes(model)
+    tops: dict[int, Scope] = {}
+    for s in scopes.values():
+        tops.setdefault(top_level(s).uid, top_level(s))
+    ordered = [tops[u] for u in sorted(tops)] or [default_strategy()]
+    index = {s.uid: i for i, s in enumerate(ordered)}
+    stage_of: dict[int, int] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            fqn = f"{mname}.{pname}" if mname else pname
+            if t is not None and fqn in scopes:
+                stage_of.setdefault(id(t), index[top_level(scopes[fqn]).uid])
+    return ordered, stage_of, scopes
+
+
+def colocated_names(model: nn.Module, tg_scopes: list[Scope], scopes: dict[str, Scope]) -> list[set[str]]:
+    """Tensor names per colocated TaskGraph; unannotated tensors join the first replicate TaskGraph."""
+    sets: list[set[str]] = [set() for _ in tg_scopes]
+    index = {s.uid: i for i, s in enumerate(tg_scopes)}
+    home = next((i for i, s in enumerate(tg_scopes) if s.kind == "replicate"), 0)
+    for name in all_tensors(model):
+        scope = scopes.get(name)
+        sets[index[top_level(scope).uid] if scope is not None else home].add(name)
+    return sets
+
+
+def split_leaves(model: nn.Module, scopes: dict[str, Scope]) -> tuple[str, ...]:
+    """Modules under ``split`` (compressed), kept as single calls when the model is traced."""
+    return compress_names({n for n, sc in scopes.items() if sc.kind == "split"}, list(all_tensors(model)))
+
+
+def _nested(scope: Scope, names: set[str], scopes: dict[str, Scope], all_names: list[str]) -> tuple:
+    found: dict[int, tuple[Scope, set[str]]] = {}
+    for n in sorted(names):
+        s = scopes.get(n)
+        if s is not None and s.parent is not None and top_level(s).uid == scope.uid:
+            found.setdefault(s.uid, (s, set()))[1].add(n)
+    return tuple(NestedScope(s.kind, s.device_count, compress_names(ns, all_names)) for s, ns in found.values())
+
+
+def summaries(model: nn.Module, tg_scopes: list[Scope], name_sets: list[set[str]],
+              scopes: dict[str, Scope]) -> list[TaskGraphSummary]:
+    """One :class:`TaskGraphSummary` per TaskGraph; a tensor in several (tied across stages) counts its elements
+    in the first only."""
+    tensors = all_tensors(model)
+    all_names = list(tensors)
+    counted: set[int] = set()
+    out = []
+    for scope, names in zip(tg_scopes, name_sets, strict=True):
+        params = {id(tensors[n]): tensors[n] for n in names
+                  if isinstance(tensors[n], nn.Parameter) and id(tensors[n]) not in counted}
+        counted |= set(params)
+        numel = sum(p.numel() for p in params.values())
+        out.append(TaskGraphSummary(scope.kind, scope.device_count, compress_names(names, all_names), numel,
+                                    _nested(scope, names, scopes, all_names)))
+    return out
