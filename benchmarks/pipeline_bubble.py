@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--blocks", type=int, default=2, help="blocks per stage")
-    p.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
+    p.add_argument("--rows", type=int, default=256, help="rows per micro-batch")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)

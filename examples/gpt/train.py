@@ -41,6 +41,7 @@ from examples.gpt.data import (  # noqa: E402
     prepare,
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from whale.plan.schedule import bubble_fraction  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,7 +194,7 @@ def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
     """Per stage: busy and idle share of the step (recent steps) vs the 1F1B/GPipe theory (collective)."""
     stats = engine.stage_stats()
     p, m = engine.plan.num_stages, engine.plan.num_micro_batch
-    theory = (p - 1) / (m + p - 1)
+    theory = bubble_fraction(p, m)
     rows = [dict(stage=s["stage"], busy_s=s["busy"], step_s=s["step"], busy_share=s["busy"] / s["step"],
                  idle_share=1 - s["busy"] / s["step"], theory_idle=theory) for s in stats if s["step"]]
     if engine.rank == 0:

@@ -40,13 +40,19 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+_SUBPACKAGES = ("runtime", "parallel")
+
+
 def __getattr__(name: str):
-    """Load a runtime name on first use (PEP 562)."""
+    """Load a runtime name (or the ``whale.runtime`` / ``whale.parallel`` package) on first use (PEP 562)."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'whale' has no attribute {name!r}")
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"whale.{name}")
+    else:
+        raise AttributeError(f"module 'whale' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

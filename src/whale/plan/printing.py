@@ -39,9 +39,11 @@ def _header(plan: Plan) -> str:
 
 
 def _wrapped(prefix: str, names, width: int = 110) -> list[str]:
+    """``prefix`` then the names, wrapped under the prefix (or, after a long prefix, indented 4 spaces)."""
+    indent = len(prefix) if len(prefix) <= width // 2 else 4
     text = ", ".join(names) if names else "-"
-    lines = textwrap.wrap(text, width=width - len(prefix), break_on_hyphens=False) or ["-"]
-    return [prefix + lines[0]] + [" " * len(prefix) + line for line in lines[1:]]
+    lines = textwrap.wrap(prefix + text, width=width, subsequent_indent=" " * indent, break_on_hyphens=False)
+    return lines or [prefix + "-"]
 
 
 def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:

@@ -56,7 +56,7 @@ def one_f_one_b(num_stages: int, num_micro_batch: int) -> Schedule:
     _check_sizes(num_stages, num_micro_batch)
     out: Schedule = []
     for s in range(num_stages):
-        warm = min(num_stages - s, num_micro_batch)
+        warm = in_flight_micro_batches(s, num_stages, num_micro_batch, "1F1B")
         acts = [Action("F", i) for i in range(warm)]
         f, b = warm, 0
         while b < num_micro_batch:
