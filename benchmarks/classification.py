@@ -147,6 +147,7 @@ def _timed_step(engine: wh.Engine, batch, tap: CollectiveTap) -> dict:
     tap.take()
     rss = _status_bytes("VmRSS")
     _reset_peak()
+    flags0 = engine.grad_sync.flag_bytes
     start = time.perf_counter()
     m = engine.step(batch)
     dist.barrier()
@@ -154,6 +155,7 @@ def _timed_step(engine: wh.Engine, batch, tap: CollectiveTap) -> dict:
     extra = engine.grad_sync.extra  # the loss the engine fused into the last bucket (pure DP), else None
     fused = extra.numel() * extra.element_size() if extra is not None else 0
     return {"seconds": seconds, "loss": m["loss"], "sync_bytes": m["sync_bytes"], "fused_loss_bytes": fused,
+            "used_flag_bytes": engine.grad_sync.flag_bytes - flags0,
             "grad_bytes": m["sync_bytes"], "split": {k: comm_bytes[k] for k in SPLIT_KINDS},
             "tap": tap.take(), "step_peak": _status_bytes("VmHWM") - rss}
 
@@ -198,7 +200,8 @@ def summarize(case: dict, ranks: list[dict]) -> dict:
         out["strategies"][s] = {
             "step_s": statistics.median(max(rk["steps"][s][i]["seconds"] for rk in ranks) for i in range(len(recs))),
             "grad_bytes": grad.pop(), "sync_bytes": recs[0]["sync_bytes"],
-            "fused_loss_bytes": recs[0]["fused_loss_bytes"], "losses": [r["loss"] for r in recs],
+            "fused_loss_bytes": recs[0]["fused_loss_bytes"], "used_flag_bytes": recs[0]["used_flag_bytes"],
+            "losses": [r["loss"] for r in recs],
             "split_bytes": recs[0]["split"], "tap_bytes": recs[0]["tap"],
             "mem": {k: max(rk["mem"][s][k] for rk in ranks) for k in ranks[0]["mem"][s]},
             "analytic_grad_bytes": ana["grad_bytes"][s], "analytic_memory": ana["memory"][s],
@@ -276,7 +279,7 @@ _COLS = [("C", 9), ("F", 5), ("n", 2), ("strategy", 8), ("step s", 7), ("grad sy
 def _row(c: dict, s: str, v: dict) -> list[str]:
     tap = sum(v["tap_bytes"].values())
     sb, m = v["split_bytes"], v["mem"]
-    other = tap - v["sync_bytes"] - sum(sb.values())  # e.g. the split loss's own all-reduce (8 B)
+    other = tap - v["sync_bytes"] - sum(sb.values())  # the loss, used flags (4 B per parameter tensor), ...
     return [f"{c['classes']:,}", str(c["features"]), str(c["world"]), s, f"{v['step_s']:.2f}",
             _mib(v["grad_bytes"]), *(f"{sb[k] / 1024:,.1f}" for k in SPLIT_KINDS), _mib(tap), str(other),
             _mib(m["state_rss"]), _mib(m["step_peak"]), _mib(m["alone_est"]), _mib(v["analytic_memory"])]

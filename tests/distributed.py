@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import traceback
@@ -26,7 +27,9 @@ def _worker(fn, rank, world, init_file, args, queue):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # by value: a tensor put on the queue as is would be shared through this process's memory, which is
+        # gone once the rank exits, before the parent has read it
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +55,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> list:
                 rank, status, payload = queue.get(timeout=timeout)
                 if status == "error":
                     raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
         except Exception as exc:
             if not isinstance(exc, RuntimeError):
                 what = f"timed out after {timeout}s" if isinstance(exc, queue_mod.Empty) else f"failed: {exc!r}"

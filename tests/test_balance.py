@@ -120,9 +120,9 @@ def test_v100_p100_memory_bound_case_moves_load_to_the_v100():
     flops, fixed, per = [15.7e12, 10.6e12], [1e9, 1e9], 1e8
     assert balance_batch(64, flops, [32e9, 16e9], fixed, per) == [38, 26]  # FLOPS-proportional: 64 * 15.7/26.3
     assert balance_batch(64, flops, [32e9, 3e9], fixed, per) == [44, 20]  # P100 holds at most 20 samples
-    with pytest.raises(InfeasiblePlanError, match=r"device 0 would need 5\.4e\+09 bytes .* lacks 2\.4e\+09 bytes"):
+    with pytest.raises(InfeasiblePlanError, match=r"device 0 would need 5\.0 GiB .* lacks 2\.2 GiB"):
         balance_batch(64, flops, [3e9, 3e9], fixed, per)
-    with pytest.raises(InfeasiblePlanError, match=r"device 1 needs 1\.1e\+09 bytes .* lacks 6e\+08 bytes") as e:
+    with pytest.raises(InfeasiblePlanError, match=r"device 1 needs 1\.0 GiB .* lacks 572\.2 MiB") as e:
         balance_batch(64, flops, [3e9, 5e8], fixed, per)
     assert e.value.device == 1 and e.value.lacking_bytes == pytest.approx(6e8)
 

@@ -53,7 +53,12 @@ def test_benchmark_measured_sync_bytes_match_analytic():
     # input-gradient all-reduce of [rows, F] + sharded softmax: max (rows) and sum-exp/target (2 rows) fp32
     assert st["split"]["split_bytes"]["all_reduce"] == rows * SMALL["features"] * FP32 + 3 * rows * FP32
     assert st["dp"]["split_bytes"] == {"all_reduce": 0, "all_gather": 0, "bridge": 0}
-    assert sum(st["dp"]["tap_bytes"].values()) == st["dp"]["sync_bytes"] + st["dp"]["fused_loss_bytes"]
+    tensors = len(list(build(SMALL["classes"], SMALL["features"], SMALL["width"], False, SMALL["blocks"],
+                             SMALL["hidden"]).parameters()))
+    assert st["dp"]["used_flag_bytes"] == FP32 * tensors  # one "used" flag per parameter tensor
+    same_batch_check = 2 * 2 * 2 * 8  # first steps: (rows, sum) of images and labels, max and -min, float64
+    assert sum(st["dp"]["tap_bytes"].values()) == (st["dp"]["sync_bytes"] + st["dp"]["fused_loss_bytes"]
+                                                   + st["dp"]["used_flag_bytes"] + same_batch_check)
     assert st["dp"]["losses"] == pytest.approx(st["split"]["losses"], rel=1e-5)
 
 

@@ -90,8 +90,8 @@ def test_memory_caps_a_stage_and_in_flight_counts():
 
 
 def test_infeasible_names_stage_and_bytes():
-    with pytest.raises(InfeasiblePlanError, match=r"closest cut \[2, 2, 2, 2\] still needs 2 bytes on stage 0 "
-                                                   r"\(capacity 1\), lacking 1 bytes") as e:
+    with pytest.raises(InfeasiblePlanError, match=r"closest cut \[2, 2, 2, 2\] still needs 2 B on stage 0 "
+                                                   r"\(capacity 1 B\), lacking 1 B") as e:
         partition_layers([1.0] * 8, [1.0] * 8, [2.0, 2.0, 1.0, 1.0], [1.0] * 4)
     assert (e.value.device, e.value.need_bytes, e.value.capacity_bytes) == (0, 2.0, 1.0)
 

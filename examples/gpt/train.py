@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
@@ -80,18 +79,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine from lr to lr/10."""
-    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
+    """The learning-rate schedule's horizon ``{"steps", "warmup"}``: a resumed run keeps its checkpoint's, so
+    the rate continues where it was (a longer run then stays at the final rate) instead of jumping back."""
+    if saved:
+        return dict(saved)
+    return {"steps": args.steps, "warmup": args.warmup if args.warmup is not None else max(1, args.steps // 20)}
+
+
+def lr_at(step: int, args: argparse.Namespace, horizon: dict | None = None) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine from lr to lr/10 at the
+    horizon's last step, lr/10 after it."""
+    h = horizon or lr_horizon(args)
+    if step < h["warmup"]:
+        return args.lr * (step + 1) / h["warmup"]
+    progress = min(1.0, (step - h["warmup"]) / max(1, h["steps"] - h["warmup"]))
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits [b, T, V], y [b, T] -> scalar."""
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+loss_fn = wh.token_cross_entropy()
+"""Next-token cross-entropy averaged over the target tokens of the whole global batch (logits [b, T, V],
+y [b, T]); ``ignore_index=-100`` targets (padding) would not count."""
 
 
 def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
@@ -168,13 +176,14 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
     state.setdefault("train_loss", [])
     for step in range(start, end):
         for group in engine.optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, args, state["lr_horizon"])
         m = engine.step(next(batches))
         state["train_time"] += m["step_time"]
         state["train_tokens"] += tokens_per_step
         state["train_loss"].append(m["loss"])
         tok_s = state["train_tokens"] / state["train_time"]
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr_at(step, args):.1e}")
+        lr = lr_at(step, args, state["lr_horizon"])
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}")
         bar.update(1)
         done = step + 1
         if args.no_progress and rank0 and (done % 25 == 0 or done == end):
@@ -253,6 +262,11 @@ def run(argv: list[str] | None = None) -> None:
     if start >= args.steps:
         raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
                           f"nothing to do; pass --steps larger than {start} to train further")
+    state["lr_horizon"] = lr_horizon(args, state.get("lr_horizon"))
+    if state["lr_horizon"]["steps"] != args.steps and ctx.rank == 0:
+        h = state["lr_horizon"]["steps"]
+        print(f"the learning-rate schedule keeps the checkpoint's horizon: cosine to {args.lr / 10:.1e} by step "
+              f"{h}; steps {max(h, start)}..{args.steps} run at that final rate", flush=True)
     if "val0" not in state:
         state["val0"] = evaluate(engine, val_tokens, args)
     if ctx.rank == 0:

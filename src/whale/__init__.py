@@ -22,6 +22,7 @@ from whale.annotation import AnnotationError, annotate, replicate, set_default_s
 from whale.config import Config, ConfigError
 from whale.frontend import plan_model
 from whale.frontend.graph import StageError
+from whale.loss import SumOverCount, token_cross_entropy
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import ScheduleError, make_schedule
 
@@ -30,12 +31,14 @@ _LAZY = {
     "parallelize": "whale.runtime.parallelize", "ShardedLogits": "whale.parallel.bridge",
     "accuracy": "whale.parallel.bridge", "cross_entropy": "whale.parallel.bridge",
     "SplitError": "whale.parallel.split", "register_split_rule": "whale.parallel.split",
+    "BatchError": "whale.runtime.batch", "OptimizerError": "whale.runtime.optim",
 }
 
 __all__ = [
-    "AnnotationError", "Config", "ConfigError", "Context", "Engine", "Plan", "PlanError", "ScheduleError",
-    "ShardedLogits", "SplitError", "StageError", "accuracy", "annotate", "cross_entropy", "init", "make_schedule",
-    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
+    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "OptimizerError", "Plan",
+    "PlanError", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy",
+    "annotate", "cross_entropy", "init", "make_schedule", "parallelize", "plan_model", "register_split_rule",
+    "replicate", "set_default_strategy", "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

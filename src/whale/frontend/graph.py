@@ -16,11 +16,24 @@ used at t > s crosses every boundary in between (s -> s+1 -> ... -> t).
 
 What can cross a stage boundary: tensors (float ones carry gradients back; integer ones do not) and plain Python
 values (ints, floats, bools, None, tuples of those), e.g. a sequence length. Not supported: models that
-``symbolic_trace`` cannot trace (Python control flow on tensor values, iterating over ``x.shape``), and
-``F.dropout(..., training=self.training)`` style flags, which tracing freezes (use ``nn.Dropout`` modules).
+``symbolic_trace`` cannot trace (Python control flow on tensor values, iterating over ``x.shape``).
+
+Train/eval mode. Tracing runs ``forward`` once, so whatever it reads from ``self.training`` would be frozen into
+the graph: ``F.dropout(x, p, training=self.training)`` would keep dropping in ``eval()``. :func:`trace` therefore
+traces the model twice, in ``train()`` and in ``eval()`` mode (restoring every module's own flag afterwards), and
+compares the graphs node by node. Calls whose *constant* arguments differ (``training=True`` vs ``False``,
+``dropout_p=0.1`` vs ``0.0``) become :class:`ModeSwitch` calls that hold both argument sets and pick by the stage
+module's mode at run time, so ``stage.eval()`` behaves like ``model.eval()``. Graphs that differ in their
+operations (``if self.training: x = x + noise``) cannot follow the mode after tracing and raise a
+:class:`StageError` naming the module; so do mode-dependent arguments of a submodule call or of the output.
+Modules traced as single calls (``nn.Dropout``, ``nn.BatchNorm2d``, split targets) read their own mode and need
+nothing of this. torch.fx has no notion of a traced ``self.training`` (it is a plain Python bool), hence the
+two traces.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import fx, nn
 
@@ -41,17 +54,28 @@ class _Tracer(fx.Tracer):
         return qualname in self.leaves or super().is_leaf_module(m, qualname)
 
 
+def _trace_once(model: nn.Module, leaves: set[str]) -> fx.GraphModule:
+    tracer = _Tracer(leaves)
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` (modules named in ``leaves`` stay opaque calls) with an error message that
-    says how to make the model traceable.
+    """``torch.fx.symbolic_trace`` (modules named in ``leaves`` stay opaque calls) that honours train/eval mode
+    (see the module docstring), with an error message that says how to make the model traceable.
+
+    The graph is the same whatever mode ``model`` is in; every module's ``training`` flag is restored.
 
     Raises:
-        StageError: tracing failed (the message names the model and common fixes).
+        StageError: tracing failed (the message names the model and common fixes), or ``forward`` branches on
+            ``self.training`` in a way a traced graph cannot follow (the message names the module).
     """
+    modes = [(m, m.training) for m in model.modules()]
     try:
-        tracer = _Tracer(set(leaves))
-        graph = tracer.trace(model)
-        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+        model.train()
+        train_gm = _trace_once(model, set(leaves))
+        model.eval()
+        eval_gm = _trace_once(model, set(leaves))
     except Exception as exc:  # noqa: BLE001 - re-raised with guidance
         raise StageError(
             f"pipelining needs a model that torch.fx.symbolic_trace can trace, and tracing "
@@ -59,6 +83,124 @@ def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.Graph
             "of unpacking x.shape, x.unflatten/flatten instead of view(*shape), no Python if/for on tensor "
             "values in forward. Or use a single TaskGraph (no pipeline)."
         ) from exc
+    finally:
+        for m, flag in modes:
+            m.training = flag
+    return _honour_mode(train_gm, eval_gm, type(model).__name__)
+
+
+# --- train/eval mode ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Slot:
+    """Placeholder for the i-th input of a :class:`ModeSwitch` inside its argument templates."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"<input {self.index}>"
+
+
+class ModeSwitch(nn.Module):
+    """A traced call whose constant arguments depend on the mode (see the module docstring).
+
+    Args:
+        op: ``"call_function"`` or ``"call_method"``.
+        target: the function, or the method name (called on the first argument).
+        train, eval_: ``(args, kwargs)`` of the call traced in each mode, with :class:`_Slot` ``(i)`` where
+            the call takes its i-th input.
+
+    ``forward(*inputs)`` makes the call with this module's mode's arguments (``self.training``, set by the
+    stage module's ``train()`` / ``eval()``) and returns its result. No parameters or buffers.
+    """
+
+    def __init__(self, op: str, target, train: tuple, eval_: tuple) -> None:
+        super().__init__()
+        self.op, self.target, self.templates = op, target, {True: train, False: eval_}
+
+    def forward(self, *inputs):
+        """The call in the current mode (shapes and errors are the call's own)."""
+        args, kwargs = fx.node.map_aggregate(self.templates[self.training],
+                                             lambda a: inputs[a.index] if isinstance(a, _Slot) else a)
+        if self.op == "call_method":
+            return getattr(args[0], self.target)(*args[1:], **kwargs)
+        return self.target(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        """The call and its two argument sets, for ``print(stage)``."""
+        name = self.target if isinstance(self.target, str) else getattr(self.target, "__name__", self.target)
+        return f"{name}: train {self.templates[True]}, eval {self.templates[False]}"
+
+
+def _where(node: fx.Node) -> str:
+    """The module whose forward made ``node`` (from torch.fx's ``nn_module_stack``), for error messages."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return f"the model's own forward (node {node.name!r})"
+    path, cls = list(stack.values())[-1]
+    return f"{path} ({getattr(cls, '__name__', cls)}), node {node.name!r}"
+
+
+def _call(node: fx.Node) -> str:
+    """``node`` as a short call description, e.g. ``mul(x, 2)`` or ``c.l(x)``."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    args = ", ".join(repr(a) for a in node.args)
+    return f"{node.op} {target}({args})"
+
+
+def _mode_error(model_name: str, node: fx.Node, what: str) -> StageError:
+    return StageError(
+        f"{model_name} cannot be pipelined as written: {_where(node)} {what}, so a stage traced once cannot "
+        "follow train()/eval(). Fix: use modules torch.fx keeps as calls for mode-dependent work (nn.Dropout, "
+        "nn.BatchNorm*), or pass the mode as an argument value "
+        "(F.dropout(x, p, training=self.training) is supported); or use a single TaskGraph (no pipeline).")
+
+
+def _switch(node: fx.Node, other: fx.Node, by_name: dict[str, fx.Node]) -> ModeSwitch:
+    """Turn ``node`` (train trace) into a call of a :class:`ModeSwitch` that also knows ``other`` (eval
+    trace); returns the switch to register on the graph module."""
+    names: dict[str, int] = {}
+    for n in node.all_input_nodes + other.all_input_nodes:
+        names.setdefault(n.name, len(names))
+    template = lambda n: fx.node.map_arg((n.args, dict(n.kwargs)), lambda a: _Slot(names[a.name]))  # noqa: E731
+    switch = ModeSwitch(node.op, node.target, template(node), template(other))
+    node.op, node.target = "call_module", f"_whale_mode_{node.name}"
+    node.args, node.kwargs = tuple(by_name[n] for n in names), {}
+    return switch
+
+
+def _honour_mode(train_gm: fx.GraphModule, eval_gm: fx.GraphModule, model_name: str) -> fx.GraphModule:
+    """``train_gm`` with every mode-dependent call made a :class:`ModeSwitch` (see the module docstring).
+
+    Raises:
+        StageError: the two graphs differ in their operations, or in the arguments of a submodule call,
+            attribute or the output (naming the module).
+    """
+    train_nodes, eval_nodes = list(train_gm.graph.nodes), list(eval_gm.graph.nodes)
+    key = lambda n: (n.op, n.target, n.name)  # noqa: E731
+    for t, e in zip(train_nodes, eval_nodes, strict=False):
+        if key(t) != key(e):
+            raise _mode_error(model_name, t, f"runs {_call(t)} in train() but {_call(e)} in eval() (forward "
+                                             "branches on self.training)")
+    if len(train_nodes) != len(eval_nodes):
+        longer = train_nodes if len(train_nodes) > len(eval_nodes) else eval_nodes
+        node = longer[min(len(train_nodes), len(eval_nodes))]
+        raise _mode_error(model_name, node, "runs operations in one mode only (forward branches on "
+                                            "self.training)")
+    by_name = {n.name: n for n in train_nodes}
+    changed = False
+    for t, e in zip(train_nodes, eval_nodes, strict=True):
+        same = fx.node.map_arg((t.args, dict(t.kwargs)), lambda a: a.name) == \
+            fx.node.map_arg((e.args, dict(e.kwargs)), lambda a: a.name)
+        if same:
+            continue
+        if t.op not in ("call_function", "call_method"):
+            raise _mode_error(model_name, t, f"passes arguments that depend on self.training to {t.op} "
+                                             f"{t.target!r}")
+        train_gm.add_submodule(f"_whale_mode_{t.name}", _switch(t, e, by_name))
+        changed = True
+    if changed:
+        train_gm.recompile()
+    return train_gm
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -84,7 +84,10 @@ def cut_model(model: nn.Module, stage_of: dict[int, int], num_stages: int, leave
         units: per stage, the layer units a hardware-aware cut gave it (recorded in the plan).
 
     Raises:
-        StageError: the model cannot be traced, or some stage ends up with no work at all.
+        StageError: the model cannot be traced, its forward branches on ``self.training`` in a way a traced
+            stage cannot follow (naming the module; mode-dependent argument values such as
+            ``F.dropout(x, p, training=self.training)`` are fine, see :func:`whale.frontend.graph.trace`), or
+            some stage ends up with no work at all.
     """
     gm = trace(model, leaves)
     stages = assign_stages(gm, stage_of)

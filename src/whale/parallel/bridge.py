@@ -79,13 +79,15 @@ class _BridgeOut(torch.autograd.Function):
 class ShardedLogits:
     """Class-sharded logits ``[N, C_local]`` over all N rows of a split group, from a split classification head.
 
-    Columns ``[class_start, class_start + C_local)`` of the full ``[N, C]`` logits live on this rank. Only the
-    losses and metrics below accept it; the full logits are never gathered.
+    Columns ``[class_start, class_start + C_local)`` of the full ``[N, C]`` logits live on this rank; C is
+    ``num_classes`` (``None``: unknown, the loss then adds the shards' sizes up). Only the losses and metrics
+    below accept it; the full logits are never gathered.
     """
 
     local: torch.Tensor
     class_start: int
     group: object
+    num_classes: int | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # pragma: no cover - error path
         raise TypeError(
@@ -94,12 +96,29 @@ class ShardedLogits:
             "so that its output is gathered")
 
 
-def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
-    """Mean softmax cross-entropy over rows; ``output`` is ``[N, C]`` logits or :class:`ShardedLogits`
-    (computed without gathering logits: max and sum-of-exp all-reduces, see ``split_loss``)."""
+def cross_entropy(output, target: torch.Tensor, weight: torch.Tensor | None = None, *, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """Softmax cross-entropy with ``F.cross_entropy``'s options and numbers; ``output`` is ``[N, C]`` logits or
+    :class:`ShardedLogits` (computed without gathering logits: max and sum-of-exp all-reduces, see
+    :func:`whale.parallel.split_loss.sharded_cross_entropy`).
+
+    Args:
+        output: logits ``[N, C]`` (any shape ``F.cross_entropy`` takes) or class-sharded ``[N, C_local]``.
+        target: int64 class ids ``[N]`` in ``[0, C)`` (or ``ignore_index``).
+        weight: per-class weights, the full ``[C]`` tensor (under split each rank uses its class slice).
+        ignore_index, reduction, label_smoothing: as in ``F.cross_entropy`` (``reduction`` one of ``"mean"``,
+            ``"sum"``, ``"none"``; the mean divides by the summed weights of the non-ignored rows' targets).
+
+    Raises:
+        IndexError: a target outside ``[0, C)`` that is not ``ignore_index`` (as in one process).
+        ValueError: an unknown ``reduction``, ``label_smoothing`` outside [0, 1], ``weight`` not ``[C]``.
+    """
     if isinstance(output, ShardedLogits):
-        return sharded_cross_entropy(output.local, target, output.class_start, output.group)
-    return F.cross_entropy(output, target)
+        return sharded_cross_entropy(output.local, target, output.class_start, output.group, reduction,
+                                     ignore_index, weight=weight, label_smoothing=label_smoothing,
+                                     num_classes=output.num_classes)
+    return F.cross_entropy(output, target, weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
 
 
 def accuracy(output, target: torch.Tensor) -> torch.Tensor:
@@ -139,5 +158,5 @@ class SplitRegion(nn.Module):
             x = _gather_rows(x, self.group, self.rows)
         y = self.sharded(x)
         if self.sharded_output:
-            return ShardedLogits(y, self.sharded.shard_start, self.group)
+            return ShardedLogits(y, self.sharded.shard_start, self.group, self.sharded.out_features)
         return _BridgeOut.apply(y, self.group, self.rows)

@@ -50,14 +50,18 @@ class MicroBatches:
     Attributes:
         inputs: the model's forward arguments (stage 0 only; empty elsewhere).
         targets: the loss targets (last stage only).
-        scales: ``rows / global_batch``: the weight of the micro-batch's mean loss in the global mean.
-        metric_fns: eval only, ``{name: fn(output, target)}`` averaged like the loss.
+        scales: the weight of each micro-batch's loss in the global loss: ``rows / global_batch`` for a
+            per-sample mean, ``1 / terms of the global batch`` for a token-weighted sum.
+        metric_fns: eval only, ``{name: fn(output, target)}``, each a mean over the rows it is given.
+        metric_scales: ``rows / global_batch`` per micro-batch (metrics are per-sample means); defaults to
+            ``scales``.
     """
 
     inputs: list
     targets: list
     scales: list[float]
     metric_fns: dict = field(default_factory=dict)
+    metric_scales: list[float] | None = None
 
 
 @dataclass
@@ -169,8 +173,9 @@ class StageExecutor:
         loss = self.loss_fn(out, work.targets[mb]) * work.scales[mb]
         if self.count_loss:
             result.loss_sum += float(loss.detach())
+            weight = (work.metric_scales or work.scales)[mb]
             for name, fn in work.metric_fns.items():
-                value = float(fn(out, work.targets[mb])) * work.scales[mb]
+                value = float(fn(out, work.targets[mb])) * weight
                 result.metric_sums[name] = result.metric_sums.get(name, 0.0) + value
         else:  # collective metrics (sharded logits) must run on every rank of the group
             for fn in work.metric_fns.values():

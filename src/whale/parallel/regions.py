@@ -7,6 +7,7 @@ from torch import nn
 
 from whale.parallel.bridge import SplitRegion
 from whale.parallel.split import SplitError, shard_module
+from whale.parallel.split_state import shard_ties
 from whale.plan.plan import Plan
 
 
@@ -26,6 +27,8 @@ class SplitRuntime:
             when the whole model is split).
         regions: the installed regions (empty when the stage has no split or its width is 1).
         params: ``id`` of every sharded parameter (their gradients sum over shard replicas, not lanes).
+        origins: ``id`` of each sharded parameter -> the full parameter of the model it was cut from (an
+            optimizer's param groups name the full ones).
         sharded_loss: the model ends in class-sharded logits: the loss covers every row of the split group.
 
     Raises:
@@ -35,8 +38,11 @@ class SplitRuntime:
 
     def __init__(self, module: nn.Module, plan: Plan, stage: int, group) -> None:
         self.module, self.regions = module, []
+        self.origins: dict[int, nn.Parameter] = {}
         if plan.stage_width > 1:
-            self._install(plan, stage, group)
+            with shard_ties(self.module, plan) as ties:  # a weight tied inside the split stays one parameter
+                self._install(plan, stage, group)
+            ties.check(self.module)
         self.params = {id(p) for r in self.regions for p in r.parameters()}
         self.sharded_loss = any(r.sharded_output for r in self.regions)
 
@@ -44,7 +50,7 @@ class SplitRuntime:
         for name, weights in _targets_by_module(self.module, plan.split_targets(stage)):
             weights = list(weights) or None
             if name == "":
-                self.module = SplitRegion(shard_module(self.module, group, weights=weights), group)
+                self.module = self._region(self.module, group, weights)
                 self.regions = [self.module]
                 return
             try:
@@ -53,10 +59,20 @@ class SplitRuntime:
                 raise SplitError(
                     f"split holds {name!r}, which is not a whole module: put whole modules (e.g. an nn.Linear) "
                     "inside a split scope, not loose parameters") from None
-            region = SplitRegion(shard_module(target, group, weights=weights), group)
+            region = self._region(target, group, weights)
             parent, _, child = name.rpartition(".")
             setattr(self.module.get_submodule(parent) if parent else self.module, child, region)
             self.regions.append(region)
+
+    def _region(self, target: nn.Module, group, weights) -> SplitRegion:
+        """``target``'s shard in a region; records which full parameter each shard parameter comes from (the
+        sharding rules keep the module's parameter names)."""
+        region = SplitRegion(shard_module(target, group, weights=weights), group)
+        full = dict(target.named_parameters(remove_duplicate=False))
+        for pname, p in region.sharded.named_parameters(remove_duplicate=False):
+            if pname in full:
+                self.origins[id(p)] = full[pname]
+        return region
 
     @staticmethod
     def group_lanes(plan: Plan, lane: int) -> range:

@@ -22,7 +22,9 @@ S bytes sends 2(n−1)/n × S):
 - Column → elementwise activation → Row (an MLP): no communication in between; N × out × 4 forward plus
   N × in × 4 backward for the pair.
 - :class:`VocabParallelEmbedding`: rows of the table (the vocabulary) sharded; forward all-reduce of
-  N × embedding_dim × 4 (N = number of ids); backward none.
+  N × embedding_dim × 4 (N = number of ids); backward none. Out-of-range ids raise ``IndexError`` as in one
+  process. A weight it shares with a column-sharded head over the same vocabulary stays one parameter
+  (see :mod:`whale.parallel.split_state`).
 - The loss on class-sharded logits lives in :mod:`whale.parallel.split_loss`; the collectives in
   :mod:`whale.parallel.split_ops`. Both are re-exported here.
 
@@ -33,7 +35,12 @@ Linear → elementwise modules → Linear run fused as column then row; ``nn.Emb
 Parameter-free modules (activations, dropout, ...) pass through; containers without parameters of their own
 are walked recursively. Anything else that holds parameters raises :class:`SplitError`. Add a rule with
 :func:`register_split_rule`; a rule is ``fn(module, group, sizes, **ctx) -> nn.Module`` returning this rank's
-shard (``ctx`` holds ``weights`` and ``gather_output``), for example::
+shard (``ctx`` holds ``weights`` and ``gather_output``). Every parameter of the returned module must have a
+declared layout (sharded along a dim, or replicated on every rank of the group): Whale's sharded layers declare
+theirs; a module of your own needs a ``shard_layout()`` method and a ``sizes`` attribute (see
+:mod:`whale.parallel.split_state`, whose :func:`~whale.parallel.split_state.local_param` and
+:func:`~whale.parallel.split_state.replicated_param` make the parameters); an undeclared one is refused with
+:class:`SplitError`, since gradient norms and the consolidated model depend on it. For example::
 
     from whale.parallel.split import ColumnParallelLinear, register_split_rule
 
@@ -57,6 +64,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -70,12 +78,14 @@ from whale.parallel.split_ops import (
     gather_from_group,
     group_rank,
     group_size,
+    has_values,
     offsets,
     reduce_from_group,
     resolve_sizes,
     scatter_to_group,
     shard_sizes,
 )
+from whale.parallel.split_state import SplitError, local_param, replicated_param, undeclared_params
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SplitError", "SplitRule",
@@ -85,27 +95,27 @@ __all__ = [
 ]
 
 
-class SplitError(ValueError):
-    """A module under ``split`` cannot be sharded (no rule for its type, or an unsupported option)."""
-
-
-def _local_param(full: torch.Tensor, dim: int, start: int, size: int, bound: float | None = None) -> nn.Parameter:
-    """This rank's slice of ``full``. A ``full`` on the meta device (a layer too big to build whole) is
-    materialized shard by shard: uniform(-bound, bound) (PyTorch's default for Linear, with the FULL layer's
-    fan-in) or, with ``bound=None``, normal(0, 1) (Embedding's default). Shards of one position are made equal
-    across replicas by the engine's broadcast."""
-    if not full.is_meta:
-        return nn.Parameter(full.detach().narrow(dim, start, size).clone(), requires_grad=full.requires_grad)
-    shape = list(full.shape)
-    shape[dim] = size
-    t = torch.empty(shape, dtype=full.dtype)
-    with torch.no_grad():
-        t.uniform_(-bound, bound) if bound is not None else t.normal_()
-    return nn.Parameter(t, requires_grad=full.requires_grad)
+def _check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
+    """Raise ``IndexError`` for an id outside ``[0, num_embeddings)``, as ``F.embedding`` does in one process
+    (a shard would otherwise look up zeros for it). Local: every rank of the group holds the same ids."""
+    if ids.numel() == 0 or not has_values(ids):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids.detach()))
+    if lo < 0 or hi >= num_embeddings:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"embedding id {bad} is out of range for a vocabulary of {num_embeddings} (valid ids: 0 "
+                         f"to {num_embeddings - 1}); check the token ids or the nn.Embedding's num_embeddings")
 
 
 class _Sharded(nn.Module):
-    """Common bookkeeping: the group, the shard sizes along the sharded dim, and this rank's range."""
+    """Common bookkeeping: the group, the shard sizes along the sharded dim, and this rank's range.
+    :meth:`shard_layout` declares each parameter's layout (see :mod:`whale.parallel.split_state`)."""
+
+    LAYOUT: ClassVar[dict[str, int | None]] = {}
+
+    def shard_layout(self) -> dict[str, int | None]:
+        """``{parameter name: sharded dim, or None when replicated on every rank of the group}``."""
+        return {name: dim for name, dim in self.LAYOUT.items() if getattr(self, name, None) is not None}
 
     def _set_shards(self, group, dim_size: int, sizes, weights) -> None:
         self.group = group
@@ -129,6 +139,8 @@ class ColumnParallelLinear(_Sharded):
         ValueError: more shards than ``out_features``; ``sizes`` of the wrong length or not adding up.
     """
 
+    LAYOUT = {"weight": 0, "bias": 0}
+
     def __init__(self, linear: nn.Linear, group=None, sizes: list[int] | None = None, gather_output: bool = False,
                  weights: list[float] | None = None) -> None:
         super().__init__()
@@ -136,8 +148,8 @@ class ColumnParallelLinear(_Sharded):
         self._set_shards(group, self.out_features, sizes, weights)
         self.gather_output = gather_output
         b = self.in_features ** -0.5
-        self.weight = _local_param(linear.weight, 0, self.shard_start, self.shard_size, b)
-        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, self.shard_start, self.shard_size, b)
+        self.weight = local_param(linear.weight, 0, self.shard_start, self.shard_size, b)
+        self.bias = None if linear.bias is None else local_param(linear.bias, 0, self.shard_start, self.shard_size, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[*, in]`` (replicated) -> ``[*, size_r]`` (or ``[*, out]`` with ``gather_output``)."""
@@ -164,6 +176,8 @@ class RowParallelLinear(_Sharded):
         ValueError: more shards than ``in_features``; ``sizes`` of the wrong length or not adding up.
     """
 
+    LAYOUT = {"weight": 1, "bias": None}  # the bias is replicated: one copy per group, counted once in norms
+
     def __init__(self, linear: nn.Linear, group=None, sizes: list[int] | None = None, input_is_parallel: bool = True,
                  weights: list[float] | None = None) -> None:
         super().__init__()
@@ -171,8 +185,8 @@ class RowParallelLinear(_Sharded):
         self._set_shards(group, self.in_features, sizes, weights)
         self.input_is_parallel = input_is_parallel
         b = self.in_features ** -0.5
-        self.weight = _local_param(linear.weight, 1, self.shard_start, self.shard_size, b)
-        self.bias = None if linear.bias is None else _local_param(linear.bias, 0, 0, self.out_features, b)
+        self.weight = local_param(linear.weight, 1, self.shard_start, self.shard_size, b)
+        self.bias = None if linear.bias is None else replicated_param(linear.bias, group, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Forward pass (shapes in the class docstring)."""
@@ -191,8 +205,9 @@ class RowParallelLinear(_Sharded):
 class VocabParallelEmbedding(_Sharded):
     """``nn.Embedding`` with its vocabulary (rows) sharded: rank r holds rows ``[start, start + size_r)``.
 
-    Shapes: int64 ids ``[*]`` (global ids, replicated) → ``[*, embedding_dim]`` on every rank. Ids outside
-    this rank's rows look up zeros; the all-reduce adds the owning rank's row. ``padding_idx`` is kept.
+    Shapes: int64 ids ``[*]`` (global ids in ``[0, num_embeddings)``, replicated) → ``[*, embedding_dim]`` on
+    every rank. Ids outside this rank's rows look up zeros; the all-reduce adds the owning rank's row.
+    ``padding_idx`` is kept.
 
     Communication: forward all-reduce of N × embedding_dim floats (N = number of ids); backward none.
 
@@ -200,7 +215,11 @@ class VocabParallelEmbedding(_Sharded):
         SplitError: ``max_norm`` or ``scale_grad_by_freq`` (their per-batch statistics would be wrong on a
             shard).
         ValueError: more shards than ``num_embeddings``; ``sizes`` of the wrong length or not adding up.
+        IndexError: (forward) an id below 0 or at least ``num_embeddings``, naming it and the valid range
+            (checked on every rank before any collective: the ids are the same on all of them).
     """
+
+    LAYOUT = {"weight": 0}
 
     def __init__(self, embedding: nn.Embedding, group=None, sizes: list[int] | None = None,
                  weights: list[float] | None = None) -> None:
@@ -213,10 +232,11 @@ class VocabParallelEmbedding(_Sharded):
         pad = embedding.padding_idx
         local_pad = None if pad is None else pad - self.shard_start
         self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < self.shard_size else None
-        self.weight = _local_param(embedding.weight, 0, self.shard_start, self.shard_size)
+        self.weight = local_param(embedding.weight, 0, self.shard_start, self.shard_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Forward pass (shapes in the class docstring)."""
+        _check_ids(ids, self.num_embeddings)
         local = ids - self.shard_start
         mine = (local >= 0) & (local < self.shard_size)
         out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight,
@@ -286,7 +306,7 @@ def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, 
         return module
     rule = split_rule_for(type(module))
     if rule is not None:
-        return rule(module, group, sizes, weights=weights, gather_output=gather_output)
+        return _declared(rule(module, group, sizes, weights=weights, gather_output=gather_output), module)
     if next(module.parameters(recurse=False), None) is not None:
         name = f"{type(module).__module__}.{type(module).__qualname__}"
         raise SplitError(
@@ -299,6 +319,19 @@ def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, 
         # Unknown data flow inside a custom container: every sharded child returns full outputs.
         clone._modules[name] = shard_module(child, group, sizes, weights=weights, gather_output=True)
     return clone
+
+
+def _declared(sharded: nn.Module, module: nn.Module) -> nn.Module:
+    """``sharded`` when every parameter's layout is declared (see :mod:`whale.parallel.split_state`)."""
+    missing = undeclared_params(sharded)
+    if missing:
+        raise SplitError(
+            f"the split rule for {type(module).__name__} returned a module whose parameter(s) {missing} declare "
+            "no shard layout, so gradient norms and the consolidated model cannot be right; build the shard "
+            "from ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding, or give the module holding "
+            "each parameter a shard_layout() method ({name: sharded dim, or None if replicated}) and a sizes "
+            "attribute (shard sizes per rank of the group)")
+    return sharded
 
 
 def _linear_rule(module, group, sizes, **ctx):

@@ -39,6 +39,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from whale.plan.balance import proportional_shares
 
@@ -118,6 +119,11 @@ def group_size(group=None) -> int:
 def group_rank(group=None) -> int:
     """This process's rank within ``group`` (0 when ``torch.distributed`` is not initialized)."""
     return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def has_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds real values that input checks can read (not a meta or fake tensor of a trace)."""
+    return not (x.is_meta or isinstance(x, FakeTensor))
 
 
 def all_reduce(x: torch.Tensor, group=None, op=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ import heapq
 import math
 
 from whale.plan.plan import PlanError
+from whale.units import format_bytes
 
 
 class InfeasiblePlanError(PlanError):
@@ -176,8 +177,9 @@ def _balance(total: int, flops: list[float], cap: list[float], fixed: list[float
         if limits[i] < min_share:
             need = fixed[i] + min_share * per
             raise InfeasiblePlanError(
-                f"device {i} needs {need:.6g} bytes ({fixed[i]:.6g} fixed + {min_share} {unit}(s) x {per:.6g}) "
-                f"but has {cap[i]:.6g}; it lacks {need - cap[i]:.6g} bytes", i, need, cap[i])
+                f"device {i} needs {format_bytes(need)} ({format_bytes(fixed[i])} fixed + {min_share} {unit}(s) x "
+                f"{format_bytes(per)}) but has {format_bytes(cap[i])}; it lacks {format_bytes(need - cap[i])}",
+                i, need, cap[i])
     shares = proportional_shares(total, flops, min_share)
     s = sum(flops)
     quota = [total * f / s for f in flops]
@@ -193,9 +195,10 @@ def _balance(total: int, flops: list[float], cap: list[float], fixed: list[float
         need = fixed[worst] + (shares[worst] + left) * per
         total_need = sum(fixed) + total * per
         raise InfeasiblePlanError(
-            f"device {worst} would need {need:.6g} bytes for {shares[worst] + left} {unit}(s) but has "
-            f"{cap[worst]:.6g}; it lacks {need - cap[worst]:.6g} bytes and every other device is full "
-            f"(all devices together need {total_need:.6g} bytes, have {sum(cap):.6g})", worst, need, cap[worst])
+            f"device {worst} would need {format_bytes(need)} for {shares[worst] + left} {unit}(s) but has "
+            f"{format_bytes(cap[worst])}; it lacks {format_bytes(need - cap[worst])} and every other device is "
+            f"full (all devices together need {format_bytes(total_need)}, have {format_bytes(sum(cap))})",
+            worst, need, cap[worst])
     return shares
 
 

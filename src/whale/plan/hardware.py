@@ -21,6 +21,7 @@ from whale.plan.balance import InfeasiblePlanError, balance_batch
 from whale.plan.partition import order_devices_by_memory
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import in_flight_micro_batches
+from whale.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,10 @@ def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[
             need_one = memory.fixed_bytes[s] + per
             if need_one > cap:
                 raise InfeasiblePlanError(
-                    f"rank {rank} ({cluster.devices()[rank].name}, stage {s}) needs {need_one:.6g} bytes for "
-                    f"its parameters, gradients, optimizer state and one sample but has {cap:.6g}; it lacks "
-                    f"{need_one - cap:.6g} bytes. Use devices with more memory, more pipeline stages or split, "
-                    "or (emulation) a larger memory_scale", rank, need_one, cap)
+                    f"rank {rank} ({cluster.devices()[rank].name}, stage {s}) needs {format_bytes(need_one)} for "
+                    f"its parameters, gradients, optimizer state and one sample but has {format_bytes(cap)}; it "
+                    f"lacks {format_bytes(need_one - cap)}. Use devices with more memory, more pipeline stages or "
+                    "split, or (emulation) a larger memory_scale", rank, need_one, cap)
             if per > 0:
                 lim = min(lim, (cap - memory.fixed_bytes[s]) / per)
         limits.append(lim)

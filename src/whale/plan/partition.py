@@ -18,6 +18,7 @@ import numpy as np
 
 from whale.plan.balance import InfeasiblePlanError
 from whale.plan.schedule import in_flight_micro_batches
+from whale.units import format_bytes
 
 
 def order_devices_by_memory(mem: Sequence[float]) -> list[int]:
@@ -151,6 +152,7 @@ def partition_layers(layer_flops: Sequence[float], layer_mem: Sequence[float], s
     s = max(range(S), key=lambda k: need[k] - stage_mem_capacity[k])
     raise InfeasiblePlanError(
         f"no contiguous cut of {n} layers into {S} stages fits memory; the closest cut {closest} still needs "
-        f"{need[s]:.6g} bytes on stage {s} (capacity {stage_mem_capacity[s]:.6g}), lacking "
-        f"{need[s] - stage_mem_capacity[s]:.6g} bytes (all stages together have {sum(stage_mem_capacity):.6g} "
-        f"bytes for {sum(layer_mem):.6g} static bytes plus activations)", s, need[s], stage_mem_capacity[s])
+        f"{format_bytes(need[s])} on stage {s} (capacity {format_bytes(stage_mem_capacity[s])}), lacking "
+        f"{format_bytes(need[s] - stage_mem_capacity[s])} (all stages together have "
+        f"{format_bytes(sum(stage_mem_capacity))} for {format_bytes(sum(layer_mem))} of static memory plus "
+        "activations)", s, need[s], stage_mem_capacity[s])

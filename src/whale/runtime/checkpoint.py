@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whale.parallel.bridge import SplitRegion
+from whale.parallel.split_state import gather_full_state as gather_region
 from whale.plan.plan import Plan
 
 
@@ -97,12 +99,35 @@ def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights)
 
 
+def _full_stage_state(module: nn.Module) -> dict:
+    """This stage's state dict with every split region's shards gathered whole under the original names
+    (``head.sharded.weight`` [size_r, d] -> ``head.weight`` [C, d]), CPU tensors. Collective over each
+    region's split group (every rank of the group calls it; regions and tensors in module order)."""
+    whole: dict[str, tuple[str, torch.Tensor]] = {}  # state key -> (original name, whole tensor)
+    done: dict[int, torch.Tensor] = {}  # a weight tied across regions is gathered once
+    for prefix, region in module.named_modules():
+        if isinstance(region, SplitRegion):
+            for name, t in gather_region(region.sharded, region.group, done).items():
+                key, orig = (f"{prefix}.sharded.{name}", f"{prefix}.{name}") if prefix else (f"sharded.{name}", name)
+                whole[key] = (orig, t)
+    out = {}
+    for key, t in module.state_dict().items():
+        key, t = whole.get(key, (key, t))
+        out[key] = t.detach().cpu()
+    return out
+
+
 def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
-    """Merge the stage shards of lane 0 into one state dict on rank 0 (CPU tensors); ``{}`` on other ranks.
-    Collective."""
-    mine = {}
-    if plan.coords(rank)[1] == 0:
-        mine = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    """The whole model's state dict on rank 0 (original names and full shapes, CPU tensors, loadable with
+    ``load_state_dict(strict=True)`` into the unparallelized model); ``{}`` on other ranks. Collective.
+
+    Each stage's lane 0 contributes its stage; split shards are first all-gathered over their group with the
+    plan's (uneven) sizes, in replica 0 only (nested replicas hold the same shards).
+    """
+    _, lane = plan.coords(rank)
+    mine = _full_stage_state(module) if lane < plan.stage_width else {}
+    if lane != 0:
+        mine = {}
     if plan.world_size == 1:
         return mine
     parts = [None] * plan.world_size if rank == 0 else None

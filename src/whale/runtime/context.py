@@ -1,4 +1,11 @@
-"""``whale.init``: join (or create) the process group and fix the RNG so every replica starts equal."""
+"""``whale.init``: join (or create) the process group and fix the RNG so every replica starts equal.
+
+Seeding rule (the whole of it in :mod:`whale.runtime.rng`): :func:`init` seeds torch's default generators with
+``Config.seed`` on every rank, so models built next are identical, and Whale never reseeds them afterwards: they
+stay the user's streams, the same on every rank (data drawn with them is the same global batch everywhere). The
+engine's forwards draw from per-lane, per-split-group and per-shard streams derived from ``Config.seed``, swapped
+in around those forwards only.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +46,9 @@ def init(config: Config | None = None) -> Context:
     Joins the ``torch.distributed`` process group that ``torchrun``/``whale launch`` describes through the
     environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), or, when started as a plain script, creates a
     one-process group. Backend: ``config.backend`` or NCCL when CUDA is available, else gloo. Seeds torch's
-    RNG with ``config.seed`` on every rank so models built next are identical. If a process group already
-    exists (tests, or a user who created it), it is reused.
+    default CPU and CUDA generators with ``config.seed`` on every rank so models built next are identical
+    (training forwards draw from streams of their own: see :mod:`whale.runtime.rng`). If a process group
+    already exists (tests, or a user who created it), it is reused.
 
     The returned context is also remembered as the default for :func:`whale.parallelize` (the way
     ``torch.distributed`` remembers its default group); pass ``ctx=`` there to be explicit.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whale.loss import SumOverCount
 from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
@@ -25,28 +26,15 @@ from whale.parallel.stages import build_stage
 from whale.plan.plan import Plan
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
+from whale.runtime.batch import batch_size, check_same_batch, map_tensors
+from whale.runtime.buffers import BufferSync
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
 from whale.runtime.mesh import Mesh
-from whale.runtime.optim import make_optimizer
+from whale.runtime.optim import bind_optimizer
+from whale.runtime.rng import RankStreams
 from whale.runtime.stats import StepHistory, StepTiming
-
-
-def _map(x, fn):
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, tuple | list):
-        return type(x)(_map(v, fn) for v in x)
-    return x
-
-
-def _batch_size(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.size(0)
-    if isinstance(x, tuple | list) and x:
-        return _batch_size(x[0])
-    raise TypeError(f"cannot find the batch dimension of {type(x).__name__}: pass tensors (dim 0 = samples)")
 
 
 class Engine:
@@ -55,8 +43,11 @@ class Engine:
     Args:
         model: the full local model, built identically on every rank.
         plan: the plan to run (from :func:`whale.plan_model`, or read back with ``Plan.from_json``).
-        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over the rows it is given.
-        optimizer: a callable ``params -> Optimizer`` or an optimizer over ``model.parameters()``.
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over the rows it is given, or a
+            :class:`whale.loss.SumOverCount` (token-weighted: a sum over terms, normalised by the count of
+            terms of the whole global batch).
+        optimizer: a callable ``params -> Optimizer``, or a fresh optimizer over ``model.parameters()``
+            (kept and re-pointed at this rank's parameters: its groups and LR schedulers drive training).
         ctx: this rank's context (:func:`whale.init`).
 
     Attributes:
@@ -76,7 +67,8 @@ class Engine:
         if plan.world_size != ctx.world_size:
             raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
                              "ranks; make a plan for this world size")
-        self.plan, self.ctx = plan, ctx
+        self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
+        self._batch_checks = 3  # first steps: check that every rank was given the same global batch
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
@@ -84,11 +76,13 @@ class Engine:
         self.history = StepHistory()
         self.last_timeline: list = []
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
+        full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         self.split = SplitRuntime(build_stage(model, plan, self.stage), plan, self.stage, self.mesh.split)
         self.module = self.split.module.to(ctx.device)
+        self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
-        self.optimizer = make_optimizer(optimizer, self.module)
+        self.optimizer = bind_optimizer(optimizer, self.module, full_params, self.split.origins)
         self.grad_sync = GradSync(groups, ctx.config.bucket_cap_mb)
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
@@ -99,6 +93,8 @@ class Engine:
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
+        self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
+                               ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -128,7 +124,7 @@ class Engine:
     def _micro_batches(self, batch, metrics: dict | None = None) -> MicroBatches:
         """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
         inputs, target = batch
-        total = _batch_size(inputs)
+        total = batch_size(batch)
         rows = self.plan.micro_batch_rows(total)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
@@ -136,17 +132,23 @@ class Engine:
 
         def take(x, a, b):
             """Rows a:b of x, on this rank's device."""
-            return _map(x, lambda t: t[a:b].to(dev, non_blocking=True))
+            return map_tensors(x, lambda t: t[a:b].to(dev, non_blocking=True))
 
         last = self.stage == self.plan.num_stages - 1
+        row_scales = [(b - a) / total for a, b in loss_rows]
+        if isinstance(self.loss_fn, SumOverCount):  # token-weighted: sums over terms / terms of the global batch
+            count = self.loss_fn.count(target)
+            scales = [1.0 / count if count else 0.0] * len(loss_rows)
+        else:  # a per-sample mean: weighted by rows
+            scales = row_scales
         return MicroBatches(inputs=[take(inputs, a, b) for a, b in rows[self.lane]] if self.stage == 0 else [],
                             targets=[take(target, a, b) for a, b in loss_rows] if last else [],
-                            scales=[(b - a) / total for a, b in loss_rows], metric_fns=metrics or {})
+                            scales=scales, metric_fns=metrics or {}, metric_scales=row_scales)
 
     def _fuse_loss(self) -> bool:
         # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
         return (self.plan.num_stages == 1 and not self.split.regions and not self.plan.shared_params
-                and bool(self.grad_sync.buckets))
+                and self.grad_sync.can_carry_extra)  # never in a bf16/fp16 bucket: the loss stays fp32
 
     def _arm(self, loss_sum: float) -> None:
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
@@ -174,16 +176,23 @@ class Engine:
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
+            BatchError: inputs and target of different row counts, or (checked on the first 3 steps) ranks
+                given different batches; every rank raises, none is left waiting.
         """
         start = time.perf_counter()
         self.module.train()
         before = self.grad_sync.bytes_reduced
-        work = self._micro_batches(batch)
+        work = self._micro_batches(batch)  # checks the batch's shapes before any collective
+        if self._batch_checks:
+            check_same_batch(batch, self.world_size, self.ctx.device)
+            self._batch_checks -= 1
+        self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
         self.grad_sync.finish()
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
+        self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self._zero_grad()
         (loss,) = self._global_sum([result.loss_sum], fused=self._fuse_loss())
         self.steps_done += 1
@@ -192,14 +201,14 @@ class Engine:
             self.rebalance()
         self.last_timeline = result.timeline
         out = {"loss": loss, "step_time": time.perf_counter() - start, "schedule_time": schedule_time,
-               "busy_time": result.busy, "samples": _batch_size(batch[0]), "stage": self.stage, "lane": self.lane,
+               "busy_time": result.busy, "samples": batch_size(batch), "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
         return out
 
     def _rows(self, batch) -> list[tuple[int, int]]:
-        return self.plan.micro_batch_rows(_batch_size(batch[0]))[self.lane]
+        return self.plan.micro_batch_rows(batch_size(batch))[self.lane]
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from whale.parallel.split_state import replicated_param_ids
 from whale.plan.plan import Plan
 from whale.runtime.mesh import Mesh
 
@@ -33,17 +34,20 @@ def sync_sets(plan: Plan, module: nn.Module, mesh: Mesh,
 def norm_owned_params(plan: Plan, module: nn.Module, mesh: Mesh, split_params: set[int]) -> list[nn.Parameter]:
     """Parameters whose squared gradients this rank adds to the global norm, so that every distinct
     parameter (or shard) counts exactly once over the world: replicated ones on lane 0, split shards in
-    replica 0, parameters shared across stages on the first stage holding them."""
+    replica 0, parameters shared across stages on the first stage holding them. A parameter of a split module
+    that is whole on every rank of its group (a row-parallel bias: ``shard_layout()`` says ``None``) counts
+    once per group, on lane 0."""
     local = dict(module.named_parameters(remove_duplicate=False))
     not_mine: set[int] = set()
     for sp in plan.shared_params:
         if mesh.stage in sp.stages and mesh.stage != min(sp.stages):
             not_mine |= {id(local[nm]) for nm in sp.names if nm in local}
-    out = []
+    out, whole_in_group = [], replicated_param_ids(module)
     for p in module.parameters():
         if id(p) in not_mine:
             continue
-        owner = mesh.lane < plan.stage_width if id(p) in split_params else mesh.lane == 0
+        shard_positions = 1 if id(p) in whole_in_group else plan.stage_width
+        owner = mesh.lane < shard_positions if id(p) in split_params else mesh.lane == 0
         if owner:
             out.append(p)
     return out

@@ -1,38 +1,64 @@
-"""The optimizer over one rank's parameters."""
+"""The optimizer over one rank's parameters: the user's own instance, re-pointed at what this rank holds.
+
+An optimizer instance made over the full model keeps driving training: its param groups (weight decay / no
+decay, per-group learning rates) and every LR scheduler attached to it stay valid, because the same object and
+the same group dicts are kept; only each group's ``params`` list is replaced by this rank's parameters. A
+parameter of another pipeline stage leaves its group; a split parameter is replaced by this rank's shard(s)
+in the same group. Groups that end up empty stay (schedulers index groups by position).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 
-def make_optimizer(optimizer, module: nn.Module) -> torch.optim.Optimizer:
+class OptimizerError(TypeError):
+    """An optimizer Whale cannot drive; the message says what to pass instead."""
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer | Callable, module: nn.Module, model_params: set[int],
+                   origins: dict[int, nn.Parameter] | None = None) -> torch.optim.Optimizer:
     """The optimizer over this rank's parameters of ``module`` (after stage cut and split sharding).
 
-    ``optimizer`` is a callable ``params -> Optimizer`` (preferred) or an optimizer built over the full model:
-    it is rebuilt with the same class and param-group options over the parameters this rank holds; sharded
-    parameters that replaced full ones join the first param group.
+    Args:
+        optimizer: a callable ``params -> Optimizer`` (called with this rank's parameters), or an optimizer
+            instance built over the full model (re-pointed in place and returned: the same object).
+        module: this rank's stage module.
+        model_params: ``id`` of every parameter of the full model (before sharding).
+        origins: ``id`` of a shard parameter -> the full parameter it was cut from.
 
     Raises:
-        TypeError: ``optimizer`` is neither.
+        OptimizerError: ``optimizer`` is neither; an instance that has already stepped (its state would belong
+            to full parameters); an instance over none of the model's parameters (built over a copy?).
     """
     params = list(module.parameters())
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, "
-                        f"got {type(optimizer).__name__}")
-    local = {id(p) for p in params}
-    groups = []
-    for g in optimizer.param_groups:
-        kept = [p for p in g["params"] if id(p) in local]
-        if kept:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": kept})
-    known = {id(p) for g in groups for p in g["params"]}
-    new = [p for p in params if id(p) not in known]
-    if new:
-        if groups:
-            groups[0]["params"].extend(new)
-        else:
-            groups.append({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": new})
-    return type(optimizer)(groups)
+        raise OptimizerError(f"optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, "
+                             f"got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise OptimizerError(
+            f"the {type(optimizer).__name__} passed to parallelize has already taken steps; its state belongs to "
+            "the full model's parameters. Pass a fresh optimizer (LR schedulers may be attached), or a callable "
+            "params -> Optimizer, and restore training state with engine.load_checkpoint")
+    local = {id(p): p for p in params}
+    shards: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        origin = (origins or {}).get(id(p))
+        if origin is not None:
+            shards.setdefault(id(origin), []).append(p)
+    if not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
+        raise OptimizerError(f"the {type(optimizer).__name__} passed to parallelize holds none of the model's "
+                             "parameters (built over a copy?); build it over model.parameters() of the model you "
+                             "parallelize")
+    for group in optimizer.param_groups:
+        mine: list[nn.Parameter] = []
+        for p in group["params"]:
+            found = [local[id(p)]] if id(p) in local else shards.get(id(p), [])
+            mine += [q for q in found if all(q is not r for r in mine)]
+        group["params"] = mine
+    return optimizer

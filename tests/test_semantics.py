@@ -1,0 +1,212 @@
+"""Training semantics users rely on, each against a one-process ``deepcopy`` reference: token-weighted losses,
+parameters that get no gradient (unused, frozen, unfrozen later), the user's own optimizer with param groups
+and an LR scheduler, a bf16 model's reported loss, and batches that are malformed or differ across ranks.
+
+Tolerance as in test_equivalence (fp32, rtol 1e-5, atol 1e-6, AdamW lr 1e-3 unless said).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import whale as wh
+from tests.distributed import run_ranks
+from tests.models import Block, TinyLM, lm_batches, lm_loss
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _assert_same(engine, ref, losses, ref_losses):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- 1. token-weighted losses --------------------------------------------------------------------------------
+def _padded_batches(steps: int, batch: int, valid: list[int]):
+    """LM batches whose row i holds ``valid[i]`` valid targets (the rest -100)."""
+    out = []
+    for x, y in lm_batches(steps, batch):
+        y = y.clone()
+        for i, v in enumerate(valid):
+            y[i, v:] = -100
+        out.append((x, y))
+    return out
+
+
+def _token_loss(rank, world, spec):
+    ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares")))
+    model = TinyLM(stage_layers=spec["layers"])
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, wh.token_cross_entropy(), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for x, y in _padded_batches(3, len(spec["valid"]), spec["valid"]):
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    _assert_same(engine, ref, losses, ref_losses)
+    return losses
+
+
+@pytest.mark.parametrize("world,spec", [
+    (2, {"layers": (2,), "valid": [1, 1, 1, 0, 8, 8, 8, 8]}),  # rank 0: 3 valid tokens, rank 1: 32
+    (2, {"layers": (2,), "valid": [0, 0, 0, 0, 8, 8, 8, 5], "mb": 2, "shares": (3, 1)}),  # an empty micro-batch
+    (4, {"layers": (1, 1), "valid": [2, 0, 1, 0, 8, 8, 7, 8], "mb": 2}),  # 2 stages x 2 lanes, tied weights
+])
+def test_token_weighted_loss_matches_one_process(world, spec):
+    for losses in run_ranks(_token_loss, world, spec):
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+
+# --- 2. parameters that get no gradient ----------------------------------------------------------------------
+class Sometimes(nn.Module):
+    """A block used only when ``use_extra`` is set, and one never used."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.first, self.extra, self.never = nn.Linear(d, d), Block(d), nn.Linear(d, d)
+        self.use_extra = True
+
+    def forward(self, x):
+        x = self.first(x)
+        return self.extra(x) if self.use_extra else x
+
+
+def _no_grad(rank, world):
+    ctx = wh.init(wh.Config(load_shares=(3, 1)))
+    model = Sometimes()
+    model.first.weight.requires_grad_(False)  # frozen when parallelize runs, unfrozen at step 2
+    ref = copy.deepcopy(model)
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    engine = wh.parallelize(model, F.mse_loss, make, ctx=ctx)
+    ref_opt = make(ref.parameters())
+    g = torch.Generator().manual_seed(5)
+    losses, ref_losses = [], []
+    for step in range(5):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        engine.module.use_extra = ref.use_extra = step % 2 == 0
+        if step == 2:
+            engine.module.first.weight.requires_grad_(True)
+            ref.first.weight.requires_grad_(True)
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    _assert_same(engine, ref, losses, ref_losses)
+    return model.never.weight.detach().clone()
+
+
+def test_unused_frozen_and_unfrozen_parameters_match_one_process():
+    never_0, never_1 = run_ranks(_no_grad, 2)
+    assert torch.equal(never_0, never_1)
+
+
+# --- 3. the user's optimizer, its param groups and LR scheduler -----------------------------------------------
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 2e-3}]
+
+
+def _user_optimizer(rank, world, spec):
+    from tests.test_split_runtime import Classifier
+
+    ctx = wh.init(wh.Config(load_shares=spec.get("shares")))
+    model = Classifier(classes=10) if spec["split"] else TinyLM(stage_layers=(2,))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(_groups(m), lr=1e-3) for m in (model, ref))
+    warm = [lambda s: min(1.0, s / 2), lambda s: 0.5 ** s]  # a warm-up from 0, and a decay
+    sched, ref_sched = (torch.optim.lr_scheduler.LambdaLR(o, warm) for o in (opt, ref_opt))
+    loss_fn = wh.cross_entropy if spec["split"] else lm_loss
+    engine = wh.parallelize(model, loss_fn, opt, ctx=ctx)
+    assert engine.optimizer is opt
+    g = torch.Generator().manual_seed(2)
+    losses, ref_losses, lrs = [], [], []
+    for x, y in (lm_batches(4, 8) if not spec["split"] else
+                 [(torch.randn(8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]):
+        losses.append(engine.step((x, y))["loss"])
+        sched.step()
+        ref_opt.zero_grad()
+        loss = (F.cross_entropy if spec["split"] else lm_loss)(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_losses.append(loss.item())
+        lrs.append([grp["lr"] for grp in opt.param_groups])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    if not spec["split"]:
+        _assert_same(engine, ref, losses, ref_losses)
+    return lrs, [len(grp["params"]) for grp in opt.param_groups]
+
+
+@pytest.mark.parametrize("spec", [{"split": False, "shares": (5, 3)}, {"split": True, "shares": (5, 3)}])
+def test_the_users_optimizer_groups_and_scheduler_drive_training(spec):
+    for lrs, sizes in run_ranks(_user_optimizer, 2, spec):
+        assert lrs[0] == pytest.approx([0.5e-3, 0.5 * 2e-3]) and lrs[-1] == pytest.approx([1e-3, 2e-3 / 16])
+        assert all(sizes)
+
+
+def test_an_optimizer_that_stepped_or_belongs_to_a_copy_is_refused():
+    from whale.runtime.optim import OptimizerError, bind_optimizer
+
+    model = TinyLM()
+    used = torch.optim.AdamW(model.parameters(), lr=0.1)
+    lm_loss(model(lm_batches(1, 2)[0][0]), lm_batches(1, 2)[0][1]).backward()
+    used.step()
+    with pytest.raises(OptimizerError, match="already taken steps"):
+        bind_optimizer(used, model, {id(p) for p in model.parameters()})
+    other = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+    with pytest.raises(OptimizerError, match="none of the model's parameters"):
+        bind_optimizer(other, model, {id(p) for p in model.parameters()})
+
+
+# --- 10. bf16 parameters: the reported loss is not rounded to bf16 -------------------------------------------
+def _bf16(rank, world):
+    ctx = wh.init(wh.Config(load_shares=(5, 3)))
+    model = TinyLM(stage_layers=(2,)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, lambda out, y: lm_loss(out.float(), y),
+                            lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    x, y = lm_batches(1, 8)[0]
+    with torch.no_grad():
+        expect = sum(float(lm_loss(ref(x[a:b]).float(), y[a:b])) * (b - a) / 8 for a, b in ((0, 5), (5, 8)))
+    return engine.step((x, y))["loss"], expect
+
+
+def test_a_bf16_models_loss_is_reported_in_fp32():
+    for loss, expect in run_ranks(_bf16, 2):
+        assert loss == pytest.approx(expect, rel=1e-6)
+
+
+# --- 13, 15. malformed batches and batches that differ across ranks ------------------------------------------
+def _bad_batches(rank, world):
+    ctx = wh.init(wh.Config())
+    engine = wh.parallelize(TinyLM(stage_layers=(2,)), lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    x, y = lm_batches(1, 8)[0]
+    errors = []
+    for batch in ((x, y[:6]), (x + rank, y)):
+        try:
+            engine.step(batch)
+        except wh.BatchError as exc:
+            errors.append(str(exc))
+    return errors, engine.step((x, y))["loss"]
+
+
+def test_malformed_or_per_rank_batches_fail_on_every_rank_and_lose_nothing():
+    for errors, loss in run_ranks(_bad_batches, 2):
+        assert "(8, 8), (6, 8)" in errors[0] and "same rows" in errors[0]
+        assert "different batches" in errors[1] and "same GLOBAL batch" in errors[1]
+        assert loss > 0
