@@ -105,3 +105,25 @@ def test_a_plan_written_by_whale_plan_trains_like_the_in_process_plan(tmp_path, 
         assert wh.Plan.from_json(r["json_plan"]) == wh.Plan.from_json(r["in_process_plan"]) == plan
         assert r["json"] == pytest.approx(r["reference"], rel=1e-5, abs=1e-6)
     assert [r["json_regions"] for r in results] == [0, 0, 1, 1]
+
+
+def test_a_plan_that_unties_tied_weights_or_fits_another_width_is_refused():
+    plan = wh.plan_model(TinyLM(stage_layers=(1, 1)), 2, wh.Config(num_micro_batch=2))
+    with pytest.raises(StageError, match="ties .*emb.weight.* shared_params say none"):
+        build_stage(TinyLM(stage_layers=(1, 1)), dataclasses.replace(plan, shared_params=()), 1)
+    with pytest.raises(StageError, match="parameter elements but the plan's TaskGraphs hold"):
+        build_stage(TinyLM(stage_layers=(1, 1), d=32), plan, 0)
+
+
+def test_a_given_plan_must_agree_with_the_job():
+    from whale.cluster import ClusterSpec
+    from whale.runtime.parallelize import check_plan_fits
+
+    spec = ClusterSpec.from_dict({"nodes": [{"devices": ["V100-32GB"]}]})
+    plan = wh.plan_model(TinyLM(), 1, wh.Config(num_micro_batch=2, cluster=spec))
+    ok = wh.Context(wh.Config(num_micro_batch=2), 0, 1, torch.device("cpu"), spec)
+    check_plan_fits(plan, ok)
+    with pytest.raises(wh.PlanError, match="made for num_micro_batch 2 but this job has 1"):
+        check_plan_fits(plan, wh.Context(wh.Config(), 0, 1, torch.device("cpu"), spec))
+    with pytest.raises(wh.PlanError, match=r"made for devices \['V100-32GB'\] but this job runs on no cluster"):
+        check_plan_fits(plan, wh.Context(wh.Config(num_micro_batch=2), 0, 1, torch.device("cpu"), None))

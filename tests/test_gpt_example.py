@@ -42,7 +42,23 @@ def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["steps"] == 6 and first["final_val_loss"] < first["initial_val_loss"]
     out = _run(tmp_path, "--steps", "8", "--resume")
-    assert "resum" in out.lower()
+    assert "resum" in out.lower() and "keeps the checkpoint's horizon" in out
     second = json.loads((tmp_path / "summary.json").read_text())
     assert second["steps"] == 8
     assert (tmp_path / "ckpt" / "model.pt").exists() and (tmp_path / "ckpt" / "plan.json").exists()
+
+
+def test_a_longer_resumed_run_keeps_the_learning_rate_schedule():
+    """A 600-step run resumed to 900 continues at the rate it had (its cosine horizon is saved), never jumping
+    back up; a fresh 900-step run has its own, longer horizon."""
+    sys.path.insert(0, str(ROOT))
+    from examples.gpt.train import lr_at, lr_horizon, parse_args
+
+    short = parse_args(["--steps", "600", "--lr", "1e-3"])
+    saved = lr_horizon(short)
+    longer = parse_args(["--steps", "900", "--lr", "1e-3", "--resume"])
+    resumed = [lr_at(s, longer, lr_horizon(longer, saved)) for s in range(590, 900)]
+    assert resumed[:10] == [lr_at(s, short) for s in range(590, 600)]  # the same rates up to the resume point
+    assert all(b <= a for a, b in zip(resumed, resumed[1:], strict=False))  # never back up
+    assert resumed[-1] == 1e-3 / 10
+    assert lr_at(600, longer, lr_horizon(longer)) > 2e-4  # a fresh longer run is still decaying at step 600

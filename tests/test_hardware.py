@@ -222,3 +222,23 @@ def test_an_emulated_device_as_fast_as_its_core_still_gets_steady_times():
     assert real.slowdown is None
     with pytest.raises(ValueError, match="slowdown must be >= 0"):
         real.slowdown = -1.0
+
+
+def test_profiled_lane_shares_are_the_rows_that_run():
+    spec = _spec("V100-32GB", "P100-16GB", "V100-32GB", "P100-16GB")
+    plan = wh.plan_model(TinyLM(), 4, wh.Config(num_micro_batch=4, cluster=spec), sample_batch=_batch(32))
+    rows = [b - a for (a, b) in (lane[0] for lane in plan.micro_batch_rows(32))]
+    assert list(plan.lane_weights) == rows and sum(rows) == 8  # whole rows of one micro-batch
+    times = [r / d for r, d in zip(rows, [15.7, 10.6, 15.7, 10.6], strict=True)]
+    assert plan.predicted_utilization == pytest.approx([t / max(times) for t in times], rel=1e-6)
+
+
+def test_explicit_load_shares_win_over_device_speed_and_say_so():
+    spec = _spec("V100-32GB", "P100-16GB")
+    plan = wh.plan_model(TinyLM(), 2, wh.Config(cluster=spec, load_shares=(1, 3)))
+    assert plan.lane_weights == (1.0, 3.0) and "Config.load_shares" in str(plan)
+
+
+def test_a_sample_batch_the_plan_cannot_run_is_refused_at_plan_time():
+    with pytest.raises(wh.PlanError, match="does not divide into num_micro_batch=3"):
+        wh.plan_model(TinyLM(stage_layers=(1, 1)), 2, wh.Config(num_micro_batch=3), sample_batch=_batch(32))

@@ -11,10 +11,9 @@ fully-connected head over C classes under ``split`` (paper §3, Fig. 4: ResNet-5
       -> head (split: class dim sharded over the same ranks): Linear(features, classes) -> logits [B, C]
          (under Whale: class-sharded logits, consumed by ``wh.cross_entropy`` / ``wh.accuracy``)
 
-Normalization is **GroupNorm**, not BatchNorm: GroupNorm normalizes each sample on its own, so a data-parallel
-step computes exactly the gradient of one process training on the whole batch. (BatchNorm would also run, but
-each replica would normalize with its own rows' statistics and keep its own running stats, so data-parallel
-training would differ from single-process training and the replicas' buffers would drift apart.)
+Normalization is **GroupNorm**: it normalizes each sample on its own. (BatchNorm works too: Whale computes its
+statistics over the whole global batch across the data-parallel lanes, so training equals one process's and
+the replicas' running statistics stay equal; GroupNorm simply needs no communication.)
 
 The size knob. The paper's backbone (ResNet-50 without its FC) holds about 23.5 M fp32 parameters, "90 MB"
 (MiB). Its compute does not matter for gradient synchronization, only its bytes do, so the benchmark reaches

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whale.plan.partition import uniform_partition
+
 
 @dataclass
 class GPTConfig:
@@ -96,8 +98,7 @@ def stage_layer_counts(n_layer: int, stages: int, stage_layers: list[int] | None
         return counts
     if not 1 <= stages <= n_layer:
         raise ValueError(f"stages={stages} must be between 1 and n_layer={n_layer}")
-    base, rem = divmod(n_layer, stages)
-    return [base + (1 if s < rem else 0) for s in range(stages)]
+    return uniform_partition(n_layer, stages)
 
 
 def _stage_scope(stages: int):

@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--weight-decay", type=float, default=0.1)
     a("--micro-batches", type=int, default=4, help="micro-batches per step (pipeline depth)")
     a("--stages", type=int, default=2, help="pipeline stages (wh.replicate(1) scopes in the model)")
-    a("--stage-layers", type=str, default=None, help="blocks per stage, e.g. 3,1 (default: even)")
+    a("--stage-layers", type=str, default=None,
+      help="blocks per stage as annotated, e.g. 3,1 (default: even); on a mixed cluster the hardware-aware planner "
+           "re-cuts the stages by device speed (the annotations then fix only the stage count)")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
     a("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: start/end only)")
     a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")

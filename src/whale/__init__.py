@@ -25,12 +25,12 @@ from whale.frontend.graph import StageError
 from whale.loss import SumOverCount, token_cross_entropy
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import ScheduleError, make_schedule
+from whale.splitrules import SplitError, register_split_rule
 
 _LAZY = {
     "Context": "whale.runtime.context", "init": "whale.runtime.context", "Engine": "whale.runtime.engine",
     "parallelize": "whale.runtime.parallelize", "ShardedLogits": "whale.parallel.bridge",
     "accuracy": "whale.parallel.bridge", "cross_entropy": "whale.parallel.bridge",
-    "SplitError": "whale.parallel.split", "register_split_rule": "whale.parallel.split",
     "BatchError": "whale.runtime.batch", "OptimizerError": "whale.runtime.optim",
 }
 

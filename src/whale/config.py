@@ -35,7 +35,9 @@ class Config:
             compute time per sample (see :meth:`whale.Engine.rebalance`). ``None``: keep the planned shares.
         max_grad_norm: clip the global gradient norm (over all stages, lanes and shards) to this value; ``None``:
             no clipping.
-        seed: seed of torch's RNG, set identically on every rank by :func:`whale.init` so replicas start equal.
+        seed: seed of torch's RNG, set identically on every rank by :func:`whale.init` so replicas start equal;
+            inside the engine's forward each lane and split shard draws from its own stream derived from it
+            (:mod:`whale.runtime.rng`).
         load_shares: relative load of each data-parallel lane (one positive number per lane); ``None``: equal.
             Whole samples are apportioned by largest remainder, so ``(5, 3)`` on a batch of 8 gives 5 and 3 rows.
         bucket_cap_mb: gradient all-reduce bucket size, MiB (1 MiB = 2**20 bytes).

@@ -2,8 +2,8 @@
 
 Both sides use this module: the front end traces the model to decide the stage cut
 (:mod:`whale.frontend.stagecut`) and records it by node name in the plan; the runtime traces the same model
-again and builds its own stage from the plan's node names (:func:`build_stage_module`). Nothing here decides
-anything: given a node -> stage map, the stage modules follow.
+again and builds its own stage from the plan's node names (:func:`whale.parallel.stages.build_stage`). Nothing
+here decides anything: given a node -> stage map, the stage modules follow.
 
 Why our own cut rather than ``torch.distributed.pipelining``'s ``pipeline()``: Whale's stages come from
 annotations (which TaskGraph owns each parameter), a value may skip stages (it is relayed), tied parameters are

@@ -26,7 +26,7 @@ class UnitCut:
     stage."""
 
     stage_of: dict[int, int]
-    stage_layers: list[list[str]]
+    units: list[list[str]]
 
 
 def sample_rows(sample_batch) -> int:

@@ -24,6 +24,7 @@ from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
+from whale.splitrules import check_split_plan
 
 
 def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
@@ -68,6 +69,8 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         PlanError: device counts do not fit the world size, and other plan errors.
         InfeasiblePlanError: the work cannot fit the devices' memory (names the device and the bytes).
         StageError: the model cannot be cut into pipeline stages.
+        SplitError: a module under ``split`` has no sharding rule, or its sharded dim is smaller than the
+            split's device count (naming the module, the dim and the fix).
         ClusterError: a bad cluster spec.
     """
     config = config or Config()
@@ -84,8 +87,13 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
     if pipelined and prof is not None and is_heterogeneous(cluster):
         layout = make_plan(kinds, world_size, config)
         speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
-        stage_of, units = speed_cut.stage_of, speed_cut.stage_layers
+        stage_of, units = speed_cut.stage_of, speed_cut.units
     plan = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units)
+    # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
+    # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
+    check_split_plan(model, plan)
+    if sample_batch is not None:
+        plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
     if not aware:
         return plan
     memory = None
@@ -93,7 +101,7 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         params = hwplan.stage_param_names(plan.stage_cuts, model)
         memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch))
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
-    return apply_hardware(plan, cluster, memory)
+    return apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
 
 
 def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units) -> Plan:

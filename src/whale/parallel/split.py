@@ -33,9 +33,12 @@ type first, then base classes): ``nn.Linear`` → column-sharded (a lone Linear,
 keeps sharded outputs unless ``gather_output=True``); ``nn.Sequential`` → children in order, with each
 Linear → elementwise modules → Linear run fused as column then row; ``nn.Embedding`` → vocab-sharded.
 Parameter-free modules (activations, dropout, ...) pass through; containers without parameters of their own
-are walked recursively. Anything else that holds parameters raises :class:`SplitError`. Add a rule with
-:func:`register_split_rule`; a rule is ``fn(module, group, sizes, **ctx) -> nn.Module`` returning this rank's
-shard (``ctx`` holds ``weights`` and ``gather_output``). Every parameter of the returned module must have a
+are walked recursively. Anything else that holds parameters raises :class:`SplitError`; :func:`whale.plan_model`
+already refuses it at plan time, and a sharded dim smaller than the device count too, naming the module (see
+:mod:`whale.splitrules`, where the registry lives). Add a rule with :func:`register_split_rule`, with
+``dim_size=fn`` (``fn(module) -> int``, the size of the dim the rule cuts) for that plan-time check; a rule is
+``fn(module, group, sizes, **ctx) -> nn.Module`` returning this rank's shard (``ctx`` holds ``weights`` and
+``gather_output``). Every parameter of the returned module must have a
 declared layout (sharded along a dim, or replicated on every rank of the group): Whale's sharded layers declare
 theirs; a module of your own needs a ``shard_layout()`` method and a ``sizes`` attribute (see
 :mod:`whale.parallel.split_state`, whose :func:`~whale.parallel.split_state.local_param` and
@@ -56,14 +59,13 @@ theirs; a module of your own needs a ``shard_layout()`` method and a ``sizes`` a
         lin.weight = module.weight
         return ColumnParallelLinear(lin, group, sizes, gather_output=ctx.get("gather_output", False))
 
-    register_split_rule(Head, shard_head)
+    register_split_rule(Head, shard_head, dim_size=lambda head: head.weight.shape[0])
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -85,7 +87,15 @@ from whale.parallel.split_ops import (
     scatter_to_group,
     shard_sizes,
 )
-from whale.parallel.split_state import SplitError, local_param, replicated_param, undeclared_params
+from whale.parallel.split_state import local_param, replicated_param, undeclared_params
+from whale.splitrules import (
+    ELEMENTWISE,
+    SplitError,
+    SplitRule,
+    _register_builtin,
+    register_split_rule,
+    split_rule_for,
+)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SplitError", "SplitRule",
@@ -251,35 +261,9 @@ class VocabParallelEmbedding(_Sharded):
 
 
 # --- registry -------------------------------------------------------------------------------------------
-SplitRule = Callable[..., nn.Module]
-"""``rule(module, group, sizes, **ctx) -> nn.Module``: this rank's shard of ``module``. ``sizes`` is the shard
-sizes along the rule's dim or ``None``; ``ctx`` has ``weights`` (relative load shares or ``None``) and
-``gather_output`` (whether the caller needs the full output rather than a sharded last dim)."""
-
-_RULES: dict[type, SplitRule] = {}
-
-ELEMENTWISE: tuple[type, ...] = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
-    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
-)
-"""Parameter-free modules that act elementwise and so may sit between a column and a row shard, or after a
-sharded output, without communication."""
-
-
-def register_split_rule(module_type: type, rule: SplitRule) -> None:
-    """Use ``rule`` for modules of ``module_type`` (and subclasses without a rule of their own) under split.
-    Registering a type again replaces its rule."""
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
-    _RULES[module_type] = rule
-
-
-def split_rule_for(module_type: type) -> SplitRule | None:
-    """The rule for ``module_type``: its own, else the nearest base class's; ``None`` if there is none."""
-    for cls in module_type.__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-    return None
+# The registry (SplitError, SplitRule, ELEMENTWISE, register_split_rule, split_rule_for) lives in the neutral
+# whale.splitrules, which the planning front end imports without whale.parallel; re-exported above. The rules
+# below register themselves there as Whale's built-ins, whose plan-time dims whale.splitrules knows.
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -371,8 +355,8 @@ def _already_sharded(module, group, sizes, **ctx):
     return module
 
 
-register_split_rule(nn.Linear, _linear_rule)
-register_split_rule(nn.Embedding, _embedding_rule)
-register_split_rule(nn.Sequential, _sequential_rule)
+_register_builtin(nn.Linear, _linear_rule)
+_register_builtin(nn.Embedding, _embedding_rule)
+_register_builtin(nn.Sequential, _sequential_rule)
 for _cls in (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding):
-    register_split_rule(_cls, _already_sharded)
+    _register_builtin(_cls, _already_sharded)

@@ -31,12 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.parallel.split_ops import all_gather, group_size
-
-
-class SplitError(ValueError):
-    """A module under ``split`` cannot be sharded (no rule for its type, an unsupported option, an undeclared
-    shard layout, or a tie that sharding would break)."""
-
+from whale.splitrules import SplitError  # defined in the neutral registry module so the planner can raise it
 
 Layout = tuple[int | None, tuple[int, ...]]
 """``(dim, sizes)`` of one parameter: cut along ``dim`` into ``sizes``, or ``(None, ())`` when replicated."""

@@ -1,33 +1,38 @@
 """This rank's pipeline stage, rebuilt from the plan's stage cut (which graph nodes the stage runs, by name).
 
 The model is traced again (with the plan's ``leaf_modules`` as single calls) and cut exactly where the plan
-says; nothing is re-decided. A model whose trace does not match the plan (another model, another version of
-its code) is refused with the first difference named.
+says; nothing is re-decided. Every rank checks the WHOLE cut against the model before any process group is
+made (it holds the whole model), so a mismatch stops every rank with the same error instead of leaving some
+waiting in a collective: the traced graph's nodes, each stage's parameters and buffers, the parameters tied
+across stages, and the model's size. A model that does not match the plan (another model, another version of
+its code, another width) is refused with the first difference named.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from torch import fx, nn
 
 from whale.frontend.graph import StageError, compute_nodes, stage_module, tensor_names, trace
 from whale.plan.plan import Plan
 
+_REPLAN = "the plan was made for another model (or another version of its code): re-plan it"
 
-def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
-    """The module running ``stage`` of ``plan``: ``model`` itself without a pipeline, else a ``GraphModule``
-    that shares ``model``'s parameters and keeps their original names.
 
-    Raises:
-        StageError: a pipeline plan without a stage cut, or a model whose traced graph, parameters or buffers
-            differ from the plan's (naming the first difference).
-    """
-    if not plan.is_pipeline:
-        return model
-    if not plan.stage_cuts:
-        raise StageError(f"the plan has {plan.num_stages} pipeline stages but no stage cut; make it with "
-                         "whale.plan_model (or `whale plan --out`), which records the cut")
-    gm = trace(model, plan.leaf_modules)
-    owner = {name: s for s, cut in enumerate(plan.stage_cuts) for name in cut.nodes}
+def _check_size(model: nn.Module, plan: Plan) -> None:
+    unique = {id(p): p for p in model.parameters()}
+    numel = sum(p.numel() for p in unique.values())
+    planned = sum(tg.num_params for tg in plan.task_graphs)
+    if numel != planned:
+        raise StageError(f"{type(model).__name__} has {numel:,} parameter elements but the plan's TaskGraphs hold "
+                         f"{planned:,}; {_REPLAN}")
+
+
+def _check_nodes(model: nn.Module, gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
+    owner: dict[str, int] = {}
+    for s, cut in enumerate(plan.stage_cuts):
+        for name in cut.nodes:
+            if owner.setdefault(name, s) != s:
+                raise StageError(f"node {name!r} is in the cuts of stages {owner[name]} and {s}; {_REPLAN}")
     nodes = compute_nodes(gm)
     names = {n.name for n in nodes}
     missing = [n.name for n in nodes if n.name not in owner]
@@ -35,13 +40,49 @@ def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
     if missing or extra:
         raise StageError(
             f"{type(model).__name__}'s traced graph does not match the plan's stage cut: nodes "
-            f"{(missing or extra)[:5]} are {'not in the plan' if missing else 'missing from the model'}; the plan "
-            "was made for another model (or another version of its code): re-plan it")
-    module = stage_module(gm, {n: owner[n.name] for n in nodes}, plan.num_stages, stage)
-    params, buffers = tensor_names(module)
-    cut = plan.stage_cuts[stage]
-    if set(params) != set(cut.params) or set(buffers) != set(cut.buffers):
-        diff = sorted(set(params) ^ set(cut.params)) + sorted(set(buffers) ^ set(cut.buffers))
-        raise StageError(f"stage {stage} holds other tensors than the plan says (differs in {diff[:5]}); the plan "
-                         "was made for another model: re-plan it")
-    return module
+            f"{(missing or extra)[:5]} are {'not in the plan' if missing else 'missing from the model'}; {_REPLAN}")
+    return {n: owner[n.name] for n in nodes}
+
+
+def _check_tensors(model: nn.Module, modules: list[fx.GraphModule], plan: Plan) -> None:
+    for s, (module, cut) in enumerate(zip(modules, plan.stage_cuts, strict=True)):
+        params, buffers = tensor_names(module)
+        if set(params) != set(cut.params) or set(buffers) != set(cut.buffers):
+            diff = sorted(set(params) ^ set(cut.params)) + sorted(set(buffers) ^ set(cut.buffers))
+            raise StageError(f"stage {s} holds other tensors than the plan says (differs in {diff[:5]}); {_REPLAN}")
+    tensor = dict(model.named_parameters(remove_duplicate=False))
+    holders: dict[int, tuple[set[str], set[int]]] = {}
+    for s, cut in enumerate(plan.stage_cuts):
+        for name in cut.params:
+            names, stages = holders.setdefault(id(tensor[name]), (set(), set()))
+            names.add(name)
+            stages.add(s)
+    tied = {(tuple(sorted(n)), tuple(sorted(st))) for n, st in holders.values() if len(st) > 1}
+    planned = {(tuple(sorted(sp.names)), tuple(sorted(sp.stages))) for sp in plan.shared_params}
+    if tied != planned:
+        raise StageError(f"the model ties {sorted(tied) or 'no parameters'} across stages but the plan's "
+                         f"shared_params say {sorted(planned) or 'none'}; a tie left out would let the copies "
+                         f"drift apart; {_REPLAN}")
+
+
+def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
+    """The module running ``stage`` of ``plan``: ``model`` itself without a pipeline, else a ``GraphModule``
+    that shares ``model``'s parameters and keeps their original names. Checks the whole plan against the model
+    first (see the module docstring); no communication.
+
+    Raises:
+        StageError: a pipeline plan without a stage cut, or a model whose size, traced graph, parameters,
+            buffers or tied parameters differ from the plan's (naming the first difference).
+    """
+    if not plan.is_pipeline:
+        _check_size(model, plan)
+        return model
+    if not plan.stage_cuts:
+        raise StageError(f"the plan has {plan.num_stages} pipeline stages but no stage cut; make it with "
+                         "whale.plan_model (or `whale plan --out`), which records the cut")
+    gm = trace(model, plan.leaf_modules)
+    stages = _check_nodes(model, gm, plan)
+    modules = [stage_module(gm, stages, plan.num_stages, s) for s in range(plan.num_stages)]
+    _check_tensors(model, modules, plan)
+    _check_size(model, plan)
+    return modules[stage]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.plan.balance import InfeasiblePlanError, balance_batch
+from whale.plan.cost import utilization
 from whale.plan.partition import order_devices_by_memory
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import in_flight_micro_batches
@@ -88,8 +89,10 @@ def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[
 
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
-    """Relative load per lane: proportional to the lane's bottleneck speed, memory-constrained when a
-    :class:`MemoryModel` is given (then whole samples of ``memory.global_batch``; the paper's Algorithm 1).
+    """Relative load per lane: proportional to the lane's bottleneck speed; with a :class:`MemoryModel`, whole
+    rows of one micro-batch (``memory.global_batch / num_micro_batch``), memory-constrained (the paper's
+    Algorithm 1). Whole rows per micro-batch are what the runtime runs (:meth:`Plan.micro_batch_rows` cuts each
+    micro-batch by these weights), so the shares the plan shows are the rows that run at that batch size.
 
     Raises:
         InfeasiblePlanError: no split of the batch fits the devices' memory (names the device and the bytes).
@@ -98,9 +101,10 @@ def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: M
                   for lane in range(plan.num_lanes)]
     if memory is None:
         return lane_speed
-    limits = _lane_limits(plan, cluster, memory)
-    caps = [float(memory.global_batch) if lim == float("inf") else lim for lim in limits]
-    shares = balance_batch(memory.global_batch, lane_speed, caps, [0.0] * len(caps), 1.0)
+    m = plan.num_micro_batch
+    rows = max(1, memory.global_batch // m)
+    caps = [float(rows) if lim == float("inf") else lim / m for lim in _lane_limits(plan, cluster, memory)]
+    shares = balance_batch(rows, lane_speed, caps, [0.0] * len(caps), 1.0, min(1, rows // len(caps)))
     return [float(x) for x in shares]
 
 
@@ -120,8 +124,7 @@ def predicted_utilization(plan: Plan, speeds: list[float]) -> tuple[float, ...]:
         for s in range(plan.num_stages):
             r = plan.rank_of(s, lane)
             times[r] = (w / total) * work[s] / speeds[r]
-    top = max(times)
-    return tuple(t / top for t in times)
+    return tuple(utilization(times))
 
 
 def _split_shares(plan: Plan, speeds: list[float]) -> tuple:
@@ -135,8 +138,10 @@ def _split_shares(plan: Plan, speeds: list[float]) -> tuple:
 
 
 def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None = None,
-                   dtype: str = "fp32") -> Plan:
+                   dtype: str = "fp32", keep_lane_weights: bool = False) -> Plan:
     """A new plan: ``plan`` balanced for ``cluster`` (pure function; see the module docstring).
+    ``keep_lane_weights`` keeps the plan's lane shares (the user's ``Config.load_shares``) instead of
+    balancing them by device speed; the printout says so.
 
     Raises:
         ClusterError: the spec's device count differs from the plan's world size.
@@ -150,8 +155,12 @@ def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None 
     if cluster.emulate:
         notes += ("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
                   f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware",)
-    out = dataclasses.replace(ordered, lane_weights=tuple(lane_shares(ordered, speeds, cluster, memory)),
-                              task_graphs=_split_shares(ordered, speeds), notes=notes)
+    if keep_lane_weights:
+        weights = plan.lane_weights
+        notes += ("lane shares from Config.load_shares (as given, not balanced by device speed)",)
+    else:
+        weights = tuple(lane_shares(ordered, speeds, cluster, memory))
+    out = dataclasses.replace(ordered, lane_weights=weights, task_graphs=_split_shares(ordered, speeds), notes=notes)
     return dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
 
 

@@ -19,27 +19,37 @@ import json
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from whale.plan.checks import (
+    _BOOL,
+    _STR,
+    Check,
+    PlanError,
+    _check_keys,
+    _choice,
+    _fail,
+    _int,
+    _node,
+    _real,
+    _seq,
+)
 from whale.plan.schedule import SCHEDULES, ScheduleName
 
 Kind = Literal["replicate", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
-class PlanError(ValueError):
-    """A plan that cannot run: the message names the bad value, the limit and the fix."""
+class _Checked:
+    """Base of the plan's parts: on construction (and ``dataclasses.replace``) every field is checked and
+    stored as its checker in ``_FIELDS`` says; errors name ``Class.field`` (``field`` for the Plan)."""
 
-
-def _tuple(values, item=lambda v: v) -> tuple:
-    return tuple(item(v) for v in values)
-
-
-def _check_kind(kind: str, where: str) -> None:
-    if kind not in KINDS:
-        raise PlanError(f"{where}: kind {kind!r} is unknown; choose one of {KINDS}")
+    def __post_init__(self) -> None:
+        prefix = "" if isinstance(self, Plan) else type(self).__name__ + "."
+        for name, check in next(spec for cls, spec in _FIELDS.items() if isinstance(self, cls)).items():
+            object.__setattr__(self, name, check(getattr(self, name), prefix + name))
 
 
 @dataclass(frozen=True)
-class NestedScope:
+class NestedScope(_Checked):
     """A scope nested in a TaskGraph: today a ``split`` inside a ``replicate`` (a sharded operator inside each
     replica, over the replica's devices).
 
@@ -55,14 +65,9 @@ class NestedScope:
     modules: tuple[str, ...] = ()
     shard_weights: tuple[float, ...] = ()
 
-    def __post_init__(self) -> None:
-        _check_kind(self.kind, "nested scope")
-        object.__setattr__(self, "modules", _tuple(self.modules, str))
-        object.__setattr__(self, "shard_weights", _tuple(self.shard_weights, float))
-
 
 @dataclass(frozen=True)
-class TaskGraph:
+class TaskGraph(_Checked):
     """One annotated part of the model and the devices (per replica) that run it.
 
     Attributes:
@@ -83,13 +88,6 @@ class TaskGraph:
     nested: tuple[NestedScope, ...] = ()
     shard_weights: tuple[float, ...] = ()
 
-    def __post_init__(self) -> None:
-        _check_kind(self.kind, f"TaskGraph {self.index}")
-        object.__setattr__(self, "modules", _tuple(self.modules, str))
-        object.__setattr__(self, "nested", _tuple(self.nested, lambda n: n if isinstance(n, NestedScope)
-                                                  else NestedScope(**n)))
-        object.__setattr__(self, "shard_weights", _tuple(self.shard_weights, float))
-
     @property
     def has_split(self) -> bool:
         """True when this TaskGraph, or a scope nested in it, shards operators."""
@@ -97,7 +95,7 @@ class TaskGraph:
 
 
 @dataclass(frozen=True)
-class SharedParam:
+class SharedParam(_Checked):
     """One parameter held by several pipeline stages (a tied input embedding and output head); its gradients
     are summed over every rank of every stage holding it.
 
@@ -109,13 +107,9 @@ class SharedParam:
     names: tuple[str, ...]
     stages: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "names", _tuple(self.names, str))
-        object.__setattr__(self, "stages", _tuple(self.stages, int))
-
 
 @dataclass(frozen=True)
-class StageCut:
+class StageCut(_Checked):
     """What one pipeline stage runs, by name, in the model's ``torch.fx`` trace (with the plan's
     ``leaf_modules`` traced as single calls).
 
@@ -131,13 +125,9 @@ class StageCut:
     buffers: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        for name in ("nodes", "params", "buffers", "units"):
-            object.__setattr__(self, name, _tuple(getattr(self, name), str))
-
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(_Checked):
     """TaskGraphs x VirtualDevices x per-lane loads x schedule x stage cut x shared parameters.
 
     Attributes:
@@ -179,15 +169,7 @@ class Plan:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        coerce = {
-            "task_graphs": lambda tg: tg if isinstance(tg, TaskGraph) else TaskGraph(**tg),
-            "shared_params": lambda s: s if isinstance(s, SharedParam) else SharedParam(**s),
-            "stage_cuts": lambda c: c if isinstance(c, StageCut) else StageCut(**c),
-            "lane_weights": float, "leaf_modules": str, "device_order": int, "devices": str,
-            "predicted_utilization": float, "stage_flops": float, "notes": str,
-        }
-        for name, item in coerce.items():
-            object.__setattr__(self, name, _tuple(getattr(self, name), item))
+        super().__post_init__()
         if not self.lane_weights and self.task_graphs:
             object.__setattr__(self, "lane_weights", (1.0,) * self.num_lanes)
         self.validate()
@@ -293,49 +275,63 @@ class Plan:
     def validate(self) -> None:
         """Check the plan's internal consistency; raises :class:`PlanError` naming the problem."""
         if not self.task_graphs:
-            raise PlanError("plan has no TaskGraphs")
+            raise PlanError("task_graphs = [] is empty; a plan runs at least one TaskGraph")
+        self._validate_task_graphs()
+        per_replica, k = self.num_stages * self.stage_width, self.num_replicas
+        if per_replica * k != self.world_size:
+            raise PlanError(f"num_replicas = {k}: {k} replica(s) x {per_replica} devices != world size "
+                            f"{self.world_size}; world_size must be num_replicas x stages x device_count")
+        if len(self.lane_weights) != self.num_lanes:
+            _fail("lane_weights", list(self.lane_weights), f"must hold {self.num_lanes} positive numbers, one per "
+                  "data-parallel lane", f"give {k} replica(s) x {self.stage_width} device(s) = {self.num_lanes}")
+        self._validate_ranks()
+        self._validate_cut()
+
+    def _validate_task_graphs(self) -> None:
         widths = [tg.device_count for tg in self.task_graphs]
         if len(set(widths)) != 1:
             raise PlanError(
                 f"pipeline stages have different device counts {widths}; stages of unequal width need a batch "
                 "bridge between them, which is not implemented yet: give every stage the same device_count "
                 "(nested data parallelism replicates the whole pipeline)")
-        for tg in self.task_graphs:
-            for what, weights in [("shard_weights", tg.shard_weights)] + [
-                    ("nested shard_weights", n.shard_weights) for n in tg.nested]:
-                if weights and (len(weights) != tg.device_count or min(weights) <= 0):
-                    raise PlanError(f"TaskGraph {tg.index}: {what} {list(weights)} must hold {tg.device_count} "
-                                    "positive numbers, one per device")
-        per_replica = self.num_stages * self.stage_width
-        if self.num_replicas < 1 or per_replica * self.num_replicas != self.world_size:
-            raise PlanError(f"{self.num_replicas} replica(s) x {per_replica} devices != world size {self.world_size}")
-        if len(self.lane_weights) != self.num_lanes or any(not w > 0 for w in self.lane_weights):
-            raise PlanError(f"lane_weights {list(self.lane_weights)} must hold {self.num_lanes} positive numbers, "
-                            "one per data-parallel lane")
-        if self.num_micro_batch < 1:
-            raise PlanError(f"num_micro_batch={self.num_micro_batch} must be >= 1")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule {self.schedule!r} is unknown; choose one of {SCHEDULES}")
-        self._validate_ranks()
-        self._validate_cut()
+        for i, tg in enumerate(self.task_graphs):
+            if tg.index != i:
+                _fail(f"task_graphs[{i}].index", tg.index, f"must equal its position {i} in task_graphs",
+                      f"number the TaskGraphs 0..{len(self.task_graphs) - 1} in model order")
+            where = f"task_graphs[{i}]"
+            for what, weights in [(f"{where}.shard_weights", tg.shard_weights)] + [
+                    (f"{where}.nested[{j}].shard_weights", n.shard_weights) for j, n in enumerate(tg.nested)]:
+                if weights and len(weights) != tg.device_count:
+                    _fail(what, list(weights), f"must hold {tg.device_count} positive numbers, one per device",
+                          f"give one weight per device of the TaskGraph (device_count {tg.device_count}) "
+                          "or [] for equal shards")
 
     def _validate_ranks(self) -> None:
         w = self.world_size
         if self.device_order and sorted(self.device_order) != list(range(w)):
-            raise PlanError(f"device_order {list(self.device_order)} must be a permutation of 0..{w - 1}")
-        for name in ("devices", "predicted_utilization"):
-            if getattr(self, name) and len(getattr(self, name)) != w:
-                raise PlanError(f"{name} lists {len(getattr(self, name))} entries for world size {w}")
-        if self.stage_flops and len(self.stage_flops) != self.num_stages:
-            raise PlanError(f"stage_flops lists {len(self.stage_flops)} entries for {self.num_stages} stages")
+            _fail("device_order", list(self.device_order), f"must be a permutation of 0..{w - 1}",
+                  "list every rank once (or [] for the identity)")
+        for name, want, of in (("devices", w, "ranks"), ("predicted_utilization", w, "ranks"),
+                               ("stage_flops", self.num_stages, "stages")):
+            if getattr(self, name) and len(getattr(self, name)) != want:
+                raise PlanError(f"{name} lists {len(getattr(self, name))} entries for {want} {of}; "
+                                f"give one per {of[:-1]} (or [])")
 
     def _validate_cut(self) -> None:
         if self.stage_cuts and len(self.stage_cuts) != self.num_stages:
             raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_stages}")
-        for sp in self.shared_params:
-            if len(sp.stages) < 2 or any(not 0 <= s < self.num_stages for s in sp.stages):
-                raise PlanError(f"shared parameter {list(sp.names)} lists stages {list(sp.stages)}; it needs two "
-                                f"or more of 0..{self.num_stages - 1}")
+        seen: dict[str, int] = {}
+        for s, cut in enumerate(self.stage_cuts):
+            for node in cut.nodes:
+                if node in seen:
+                    raise PlanError(f"stage_cuts[{s}].nodes lists node {node!r}, and so does stage_cuts"
+                                    f"[{seen[node]}].nodes; stage cuts must be "
+                                    "disjoint (a graph node runs in exactly one stage): keep it in one stage")
+                seen[node] = s
+        for i, sp in enumerate(self.shared_params):
+            if any(not 0 <= s < self.num_stages for s in sp.stages):
+                _fail(f"shared_params[{i}].stages", list(sp.stages), f"names a stage outside 0..{self.num_stages - 1}",
+                      f"list the stages holding {list(sp.names)}")
 
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists); :meth:`from_dict` inverts it."""
@@ -346,12 +342,10 @@ class Plan:
         """Inverse of :meth:`to_dict`; validates the result.
 
         Raises:
-            PlanError: unknown fields (naming them) or an inconsistent plan.
+            PlanError: unknown or missing fields, a value of the wrong type (naming its path, e.g.
+                ``task_graphs[1].modules``) or an inconsistent plan.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"plan data has unknown fields {unknown}; was it written by another Whale version?")
+        _check_keys(cls, data, "plan data")
         return cls(**data)
 
     def to_json(self, **kw) -> str:
@@ -377,3 +371,21 @@ class Plan:
         from whale.plan.printing import format_plan
 
         return format_plan(self)
+
+
+_STRS, _POS, _NONNEG = _seq(_STR, "strings"), _seq(_real(True), "numbers > 0"), _seq(_real(False), "numbers >= 0")
+_FIELDS: dict[type, dict[str, Check]] = {
+    NestedScope: {"kind": _choice(KINDS), "device_count": _int(1, nullable=True), "modules": _STRS,
+                  "shard_weights": _POS},
+    TaskGraph: {"index": _int(0), "kind": _choice(KINDS), "device_count": _int(1), "modules": _STRS,
+                "num_params": _int(0), "nested": _seq(_node(NestedScope), "NestedScope objects"),
+                "shard_weights": _POS},
+    SharedParam: {"names": _seq(_STR, "names", least=1), "stages": _seq(_int(0), "stages", least=2)},
+    StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
+    Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
+           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
+           "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
+           "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,
+           "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
+           "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS},
+}

@@ -11,6 +11,8 @@ def _layout(plan: Plan) -> str:
     """What runs where, in the field's words, e.g. ``2 pipeline stages x 2-way data parallel``."""
     n, k = plan.stage_width, plan.num_replicas
     kinds = {tg.kind for tg in plan.task_graphs}
+    if plan.world_size == 1:
+        return "1 device"
     if plan.colocated:
         what = " + ".join(dict.fromkeys(tg.kind for tg in plan.task_graphs))
         parts = [f"{what} on the same {n} device(s)"]
@@ -24,7 +26,7 @@ def _layout(plan: Plan) -> str:
         parts.append(f"x {k} replicas (nested data parallel)")
     elif k > 1:
         parts[0] = f"{n * k}-way data parallel"
-    if any(tg.has_split for tg in plan.task_graphs) and not plan.colocated and kinds != {"split"}:
+    if n > 1 and any(tg.has_split for tg in plan.task_graphs) and not plan.colocated and kinds != {"split"}:
         parts.append("with split operators")
     return " ".join(parts)
 
@@ -59,9 +61,14 @@ def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
 def format_plan(plan: Plan) -> str:
     """A table of TaskGraphs (kind, devices per replica, ranks, parameters, modules), then the lanes' shares,
     the stage cut, the devices and what is shared or noted."""
-    lines = [_header(plan), f"{'TG':>3} {'kind':<10} {'dev':>3}  {'ranks':<16} {'params':>12}  modules"]
+    lines = [_header(plan),
+             f"{'TG':>3} {'kind':<10} {'dev':>3}  {'ranks':<16} {'params':>12}  modules holding its tensors"]
     for tg in plan.task_graphs:
         lines += _task_graph_rows(plan, tg)
+    if any(cut.units for cut in plan.stage_cuts):
+        lines.append("(the hardware-aware planner re-cut the stages by device speed and memory; the annotations "
+                     "fixed the stage count)")
+    lines.extend(_shard_rows(plan))
     if plan.num_lanes > 1:
         wsum = sum(plan.lane_weights)
         lines.append("batch share per data-parallel lane: "
@@ -92,10 +99,17 @@ def _device_rows(plan: Plan) -> list[str]:
                     f"{util:>6}")
     rows.append("* busy: predicted share of the step this rank computes (its compute time over the slowest "
                 "rank's; 100% = the bottleneck)")
+    return rows
+
+
+def _shard_rows(plan: Plan) -> list[str]:
+    """Relative shard weights of each split over several devices (each sharded dim is cut into whole
+    elements by largest remainder of these weights)."""
+    rows = []
     for tg in plan.task_graphs:
         for what, weights in [(f"TG {tg.index} split", tg.shard_weights)] + [
                 (f"TG {tg.index} nested split", n.shard_weights) for n in tg.nested]:
-            if weights:
+            if len(weights) > 1:
                 tot = sum(weights)
                 rows.append(f"{what} shard shares: " + "  ".join(f"{w / tot:.1%}" for w in weights))
     return rows

@@ -43,7 +43,7 @@ def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}.pt")
 
 
-def _layout(plan: Plan) -> dict:
+def _holdings(plan: Plan) -> dict:
     """What must match for a checkpoint to load: the rank layout and who holds which tensors."""
     return {"world_size": plan.world_size, "num_replicas": plan.num_replicas,
             "num_micro_batch": plan.num_micro_batch,
@@ -86,7 +86,7 @@ def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path!r} holds a plan this Whale version cannot read ({exc}); it was "
                               "saved by another version") from None
-    before, now = _layout(saved), _layout(plan)
+    before, now = _holdings(saved), _holdings(plan)
     if before != now:
         diff = [k for k in now if before.get(k) != now[k]]
         raise CheckpointError(f"checkpoint {path!r} was saved under a different plan (differs in {diff}); "

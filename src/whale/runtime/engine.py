@@ -75,9 +75,10 @@ class Engine:
         self.steps_done = 0
         self.history = StepHistory()
         self.last_timeline: list = []
-        self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
-        self.split = SplitRuntime(build_stage(model, plan, self.stage), plan, self.stage, self.mesh.split)
+        stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
+        self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
+        self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
         self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)

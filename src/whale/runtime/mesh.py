@@ -27,7 +27,7 @@ class Mesh:
     Attributes:
         stage, lane: this rank's coordinates.
         lanes: the group of every lane of this stage (gradients of replicated parameters are summed over it).
-        split: this replica's devices of this stage (shards of a split module live on them).
+        split_group: this replica's devices of this stage (shards of a split module live on them).
         shard_replicas: the ranks holding this rank's shard in every replica (split gradients summed over it).
         tied: per :attr:`Plan.shared_params` entry, the group of every rank of every stage holding it (``None``
             where this rank holds none).
@@ -37,7 +37,7 @@ class Mesh:
 
     def __init__(self, plan: Plan, rank: int, device_type: str = "cpu") -> None:
         self.stage, self.lane = plan.coords(rank)
-        self.lanes = self.split = self.shard_replicas = None
+        self.lanes = self.split_group = self.shard_replicas = None
         self.tied: list = [None] * len(plan.shared_params)
         self.device_mesh: DeviceMesh | None = None
         if plan.world_size == 1:
@@ -45,7 +45,7 @@ class Mesh:
         grid = torch.tensor(plan.rank_grid())
         self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
         self.lanes = _or_none(self.device_mesh["dp", "tp"]._flatten("lanes").get_group())
-        self.split = _or_none(self.device_mesh.get_group("tp"))
+        self.split_group = _or_none(self.device_mesh.get_group("tp"))
         self.shard_replicas = _or_none(self.device_mesh.get_group("dp"))
         for i, sp in enumerate(plan.shared_params):
             ranks = sorted(r for s in sp.stages for r in plan.stage_ranks(s))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from whale.frontend import plan_model
-from whale.plan.plan import Plan
+from whale.plan.plan import Plan, PlanError
 from whale.runtime.context import Context, current_context
 from whale.runtime.engine import Engine
 
@@ -50,4 +50,26 @@ def parallelize(
     ctx = ctx or current_context()
     if plan is None:
         plan = plan_model(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
+    else:
+        check_plan_fits(plan, ctx)
     return Engine(model, plan, loss_fn, optimizer, ctx)
+
+
+def check_plan_fits(plan: Plan, ctx: Context) -> None:
+    """A given plan must agree with the job it runs in: world size, the config's micro-batches and schedule,
+    and the cluster's devices (a plan made for another cluster would run its shares on the wrong devices).
+
+    Raises:
+        PlanError: naming both values and the fix.
+    """
+    cfg = ctx.config
+    fix = "make the plan with the same settings (whale plan --micro-batches/--schedule/--cluster) or change them"
+    for what, planned, here in (("world size", plan.world_size, ctx.world_size),
+                                ("num_micro_batch", plan.num_micro_batch, cfg.num_micro_batch),
+                                ("schedule", plan.schedule, cfg.schedule)):
+        if planned != here:
+            raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {fix}")
+    devices = tuple(d.name for d in ctx.cluster.devices()) if ctx.cluster is not None else ()
+    if plan.devices and devices != plan.devices:
+        raise PlanError(f"the plan was made for devices {list(plan.devices)} but this job runs on "
+                        f"{list(devices) or 'no cluster spec (identical CPU ranks)'}; {fix}")

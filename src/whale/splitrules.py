@@ -1,0 +1,244 @@
+"""The split rule registry and the plan-time split check, importing nothing of Whale's (only ``torch.nn``).
+
+The sharding rules themselves (sharded Linear / Embedding layers, the ``nn.Sequential`` column → row fusion)
+live in :mod:`whale.parallel.split`, which registers them here on import and re-exports every name of this
+module; ``wh.SplitError`` and ``wh.register_split_rule`` are these same objects. The front end
+(:func:`whale.plan_model`, ``whale plan``) must not import :mod:`whale.parallel`, so this module also knows,
+for each module type, which dim a split cuts, and :func:`check_split_plan` refuses at plan time what the
+runtime could not shard, naming the module, its type, the dim and its size, and the device count:
+
+- built in: ``nn.Linear`` cuts ``out_features``; ``nn.Embedding`` cuts ``num_embeddings`` (and refuses
+  ``max_norm`` / ``scale_grad_by_freq``); ``nn.Sequential`` is walked as the runtime shards it: a Linear →
+  elementwise modules → Linear run is bounded by the first Linear's ``out_features``, other children are
+  checked one by one;
+- a registered rule: ``register_split_rule(MyModule, rule, dim_size=fn)``, with ``fn(module) -> int`` the size
+  of the dim ``rule`` cuts, is checked against the device count; without ``dim_size`` the type is accepted
+  with no size check (the rule itself decides at run time);
+- parameter-free modules pass; containers without parameters of their own are walked; any other module that
+  holds parameters of its own is refused (no rule);
+- a split scope holding loose parameters rather than whole modules is refused, except the whole model (all of
+  the split's tensors are the root module's own parameters), which is then checked as one module.
+
+A split over n devices cuts each sharded dim into n shards of at least one element, so the dim must have at
+least n elements (hardware-aware shard sizes only move elements between shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+__all__ = ["SplitError", "SplitRule", "DimSize", "ELEMENTWISE", "register_split_rule", "split_rule_for",
+           "check_split_plan", "check_split_module"]
+
+
+class SplitError(ValueError):
+    """A module under ``split`` cannot be sharded (no rule for its type, a dim smaller than the device count, an
+    unsupported option, an undeclared shard layout, or a tie that sharding would break)."""
+
+
+SplitRule = Callable[..., nn.Module]
+"""``rule(module, group, sizes, **ctx) -> nn.Module``: this rank's shard of ``module``. ``sizes`` is the shard
+sizes along the rule's dim or ``None``; ``ctx`` has ``weights`` (relative load shares or ``None``) and
+``gather_output`` (whether the caller needs the full output rather than a sharded last dim)."""
+
+DimSize = Callable[[nn.Module], int]
+"""``dim_size(module) -> int``: the size of the dim a rule cuts, checked at plan time against the device
+count."""
+
+ELEMENTWISE: tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Dropout, nn.Identity,
+)
+"""Parameter-free modules that act elementwise and so may sit between a column and a row shard, or after a
+sharded output, without communication."""
+
+_RULES: dict[type, SplitRule] = {}
+_DIM_SIZES: dict[type, DimSize] = {}  # registered dim_size functions of user rules
+_BUILTIN_RULES: set[type] = set()  # types whose rule is Whale's own (registered by whale.parallel.split)
+
+
+def register_split_rule(module_type: type, rule: SplitRule, dim_size: DimSize | None = None) -> None:
+    """Use ``rule`` for modules of ``module_type`` (and subclasses without a rule of their own) under split.
+    Registering a type again replaces its rule (and its ``dim_size``).
+
+    Args:
+        module_type: an ``nn.Module`` subclass.
+        rule: ``rule(module, group, sizes, **ctx) -> nn.Module``, this rank's shard (see :data:`SplitRule`).
+        dim_size: ``dim_size(module) -> int``, the size of the dim ``rule`` cuts; :func:`whale.plan_model`
+            then refuses a split over more devices than that, naming the module. ``None``: no plan-time size
+            check for this type.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``rule`` / ``dim_size`` is not callable.
+    """
+    _check_type(module_type)
+    if not callable(rule):
+        raise TypeError(f"rule must be callable, got {rule!r}")
+    if dim_size is not None and not callable(dim_size):
+        raise TypeError(f"dim_size must be None or callable (module -> int), got {dim_size!r}")
+    _RULES[module_type] = rule
+    _BUILTIN_RULES.discard(module_type)
+    if dim_size is None:
+        _DIM_SIZES.pop(module_type, None)
+    else:
+        _DIM_SIZES[module_type] = dim_size
+
+
+def _register_builtin(module_type: type, rule: SplitRule) -> None:
+    """Whale's own rules (:mod:`whale.parallel.split`): their dims are known here (:data:`_BUILTIN_DIMS`), or
+    they need no plan-time check (already-sharded layers)."""
+    _check_type(module_type)
+    _RULES[module_type] = rule
+    _DIM_SIZES.pop(module_type, None)
+    _BUILTIN_RULES.add(module_type)
+
+
+def _check_type(module_type) -> None:
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+
+
+def split_rule_for(module_type: type) -> SplitRule | None:
+    """The rule for ``module_type``: its own, else the nearest base class's; ``None`` if there is none."""
+    for cls in module_type.__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+# --- plan-time check ------------------------------------------------------------------------------------
+def check_split_plan(model: nn.Module, plan) -> None:
+    """Refuse, before any process starts, a plan whose split targets the runtime could not shard.
+
+    Checks every stage's :meth:`~whale.plan.plan.Plan.split_targets` over ``plan.stage_width`` devices (width 1
+    shards nothing), the way :class:`whale.parallel.regions.SplitRuntime` will install them.
+
+    Raises:
+        SplitError: a target that is not a whole module, a module type with parameters of its own and no rule,
+            a sharded dim smaller than the device count, or an unsupported option; the message names the
+            module's FQN and type, the dim and its size, the device count and the fix.
+    """
+    n = plan.stage_width
+    if n <= 1:
+        return
+    own = dict(model.named_parameters(recurse=False))
+    for stage in range(plan.num_stages):
+        targets = [name for name, _ in plan.split_targets(stage)]
+        loose = [name for name in targets if "." not in name and name in own]
+        if loose and len(loose) == len(targets):  # the whole model was built under split
+            check_split_module(model, n, "")
+            continue
+        for name in targets:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise SplitError(
+                    f"split over {n} devices holds {name!r}, which is not a whole module: put whole modules "
+                    "(e.g. an nn.Linear) inside a split scope, not loose parameters") from None
+            check_split_module(module, n, name)
+
+
+def check_split_module(module: nn.Module, n: int, fqn: str = "") -> None:
+    """Check that ``module`` (at ``fqn`` in the model) can be sharded over ``n`` devices, walking it as
+    :func:`whale.parallel.split.shard_module` does (see the module docstring).
+
+    Raises:
+        SplitError: naming the module, its type, the dim and its size, ``n`` and the fix.
+    """
+    if module is None or next(module.parameters(), None) is None:
+        return
+    cls = type(module)
+    for base in cls.__mro__:
+        if base in _RULES and base not in _BUILTIN_RULES:  # a rule of the user's
+            dim_size = _DIM_SIZES.get(base)
+            if dim_size is not None:
+                size = dim_size(module)
+                if isinstance(size, bool) or not isinstance(size, int):
+                    raise SplitError(f"the dim_size registered for {_name(base)} returned {size!r} for "
+                                     f"{_where(fqn)}; it must return the size of the dim the rule cuts, an int")
+                _bound(module, fqn, f"the dim its registered rule cuts (dim_size of {base.__name__})", size, n,
+                       user=base.__name__)
+            return
+        if base in _BUILTIN_DIMS:
+            _BUILTIN_DIMS[base](module, fqn, n)
+            return
+        if base in _RULES:  # a rule of Whale's with nothing to check here
+            return
+    own = [name for name, p in module._parameters.items() if p is not None]
+    if own:
+        raise SplitError(
+            f"split over {n} devices has no sharding rule for {_where(fqn)} ({_name(cls)}), which holds "
+            f"parameters of its own ({', '.join(own)}); register one before planning with "
+            f"whale.register_split_rule({cls.__name__}, rule, dim_size=fn), where rule(module, group, sizes, "
+            "**ctx) returns this rank's shard and dim_size(module) the size of the dim it cuts (see the "
+            "whale.parallel.split docs), or build the module outside the split scope")
+    for name, child in module.named_children():
+        check_split_module(child, n, _join(fqn, name))
+
+
+def _bound(module: nn.Module, fqn: str, dim: str, size: int, n: int, note: str = "", user: str = "") -> None:
+    """Refuse cutting ``dim`` of ``size`` elements into ``n`` shards of at least one element each (``user``: the
+    type whose registered rule and ``dim_size`` apply, when not one of Whale's own)."""
+    if size >= n:
+        return
+    cls = type(module)
+    fix = (f"or a rule for {user} that cuts another dim" if user else
+           f"or register a split rule that cuts another dim (whale.register_split_rule({cls.__name__}, rule, "
+           "dim_size=fn))")
+    raise SplitError(
+        f"split over {n} devices cannot shard {_where(fqn)} ({_name(cls)}){note}: it cuts {dim}, of size {size}, "
+        f"into {n} shards (one per device, each at least one element); use at most {size} device(s) for this "
+        f"split, a larger {'dim' if user else dim}, {fix}")
+
+
+def _linear_dims(module: nn.Linear, fqn: str, n: int) -> None:
+    _bound(module, fqn, "out_features", module.out_features, n)
+
+
+def _embedding_dims(module: nn.Embedding, fqn: str, n: int) -> None:
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        raise SplitError(f"split over {n} devices cannot shard {_where(fqn)} ({_name(type(module))}): split of "
+                         "nn.Embedding does not support max_norm or scale_grad_by_freq (their per-batch "
+                         "statistics would be wrong on a shard); drop the option or build it outside the split")
+    _bound(module, fqn, "num_embeddings", module.num_embeddings, n)
+
+
+def _sequential_dims(module: nn.Sequential, fqn: str, n: int) -> None:
+    """As ``_sequential_rule``: a Linear → elementwise* → Linear run is column then row sharded, both along the
+    first Linear's out_features; every other child is checked on its own."""
+    kids: list[tuple[str, nn.Module]] = list(module._modules.items())
+    i = 0
+    while i < len(kids):
+        j = i + 1
+        while j < len(kids) and isinstance(kids[j][1], ELEMENTWISE):
+            j += 1
+        if type(kids[i][1]) is nn.Linear and j < len(kids) and type(kids[j][1]) is nn.Linear:
+            first, second = _join(fqn, kids[i][0]), _join(fqn, kids[j][0])
+            _bound(kids[i][1], first, "out_features", kids[i][1].out_features, n,
+                   note=f", the column half of the Linear pair {first!r} -> {second!r}")
+            i = j + 1
+            continue
+        check_split_module(kids[i][1], n, _join(fqn, kids[i][0]))
+        i += 1
+
+
+_BUILTIN_DIMS: dict[type, Callable[[nn.Module, str, int], None]] = {
+    nn.Linear: _linear_dims, nn.Embedding: _embedding_dims, nn.Sequential: _sequential_dims,
+}
+"""Whale's built-in rules by type: ``check(module, fqn, n)`` raises :class:`SplitError` when the rule could not
+shard ``module`` over ``n`` devices (the runtime's rules are in :mod:`whale.parallel.split`)."""
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _where(fqn: str) -> str:
+    return f"module {fqn!r}" if fqn else "the whole model"
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
