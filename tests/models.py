@@ -139,3 +139,21 @@ def tied_pipe_with_split(seed: int = 0) -> PipeWithSplit:
     """Factory for ``whale plan --model tests.models:tied_pipe_with_split`` (same weights for a seed)."""
     torch.manual_seed(seed)
     return PipeWithSplit(tied=True)
+
+
+class HeadScopedTie(nn.Module):
+    """An unannotated embedding tied to an LM head built inside the LAST stage's scope (as users write it): the
+    tie must not drag the embedding, nor stage 0's annotated block after it, into the last stage."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        with wh.replicate(1):
+            self.block0 = Block(d)
+        with wh.replicate(1):
+            self.block1 = Block(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.block1(self.block0(self.emb(idx))))

@@ -140,3 +140,42 @@ def test_several_values_and_a_relayed_skip_cross_stage_boundaries():
     # float activation, bool mask, a Python int and a stage-0 tensor used in stage 2 (relayed through 1)
     results = _check(3, {"layers": None, "skip": True, "batch": 6, "mb": 3})
     assert sorted(r["stage"] for r in results) == [0, 1, 2]
+
+
+class _Transposing(torch.nn.Module):
+    """Two stages whose boundary values are not contiguous: stage 0 hands over ``linear(x).t()``-style views."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        with wh.replicate(1):
+            self.a = torch.nn.Linear(d, d)
+        with wh.replicate(1):
+            self.b = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x).t()  # [d, rows]: a strided view of stage 0's output crosses the boundary
+        return (self.b.weight @ h).t() + self.b.bias
+
+
+def _strided(rank, world):
+    ctx = wh.init(wh.Config(num_micro_batch=2))
+    model = _Transposing()
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, torch.nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    return losses
+
+
+def test_non_contiguous_boundary_values_cross_both_ways():
+    run_ranks(_strided, 2)

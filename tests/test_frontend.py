@@ -4,6 +4,7 @@ written by ``whale plan --out`` drives training exactly like a plan made in proc
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import os
 import pathlib
@@ -127,3 +128,51 @@ def test_a_given_plan_must_agree_with_the_job():
         check_plan_fits(plan, wh.Context(wh.Config(), 0, 1, torch.device("cpu"), spec))
     with pytest.raises(wh.PlanError, match=r"made for devices \['V100-32GB'\] but this job runs on no cluster"):
         check_plan_fits(plan, wh.Context(wh.Config(num_micro_batch=2), 0, 1, torch.device("cpu"), None))
+
+
+def _tie_in_last_scope(rank, world):
+    from tests.models import HeadScopedTie
+
+    ctx = wh.init(wh.Config(num_micro_batch=2))
+    model = HeadScopedTie()
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for x, y in lm_batches(3, 8):
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    return sorted(n for n, _ in engine.module.named_parameters(remove_duplicate=False))
+
+
+def test_a_tie_into_the_last_stage_does_not_drag_annotated_modules():
+    from tests.models import HeadScopedTie
+
+    plan = wh.plan_model(HeadScopedTie(), 2, wh.Config(num_micro_batch=2))
+    assert {"emb.weight", "block0.fc1.weight"} <= set(plan.stage_cuts[0].params)
+    assert "block0.fc1.weight" not in plan.stage_cuts[1].params
+    assert [(sp.names, sp.stages) for sp in plan.shared_params] == [(("emb.weight", "head.weight"), (0, 1))]
+    stage0, stage1 = run_ranks(_tie_in_last_scope, 2)
+    assert "block0.fc1.weight" in stage0 and "block1.fc1.weight" in stage1 and "head.weight" in stage1
+
+
+def test_an_annotated_stage_left_empty_says_why():
+    class Reversed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            with wh.replicate(1):
+                self.first = torch.nn.Linear(4, 4)
+            with wh.replicate(1):
+                self.second = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.first(self.second(x))  # the stage-1 module runs first
+
+    with pytest.raises(StageError, match=r"stage 0 of 2 has no operations .*'first' runs in stage 1 because its "
+                                         r"input 'second' comes from stage 1"):
+        wh.plan_model(Reversed(), 2, wh.Config(num_micro_batch=2))

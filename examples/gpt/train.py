@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
-    a("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    a("--no-progress", action="store_true",
+      help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
     return p.parse_args(argv)
 
 
@@ -170,7 +171,8 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
     """Run steps ``start..end-1``; returns ``state`` with val losses, train losses, throughput and times."""
     rank0 = engine.rank == 0
     tokens_per_step = args.batch_size * args.seq_len
-    bar = tqdm(total=args.steps, initial=start, disable=not rank0 or args.no_progress, dynamic_ncols=True,
+    plain = args.no_progress or not sys.stderr.isatty()  # a log file gets log lines, not bar redraws
+    bar = tqdm(total=args.steps, initial=start, disable=not rank0 or plain, dynamic_ncols=True,
                desc="train", unit="step")
     state.setdefault("val", [])
     state.setdefault("train_time", 0.0)
@@ -188,7 +190,7 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}")
         bar.update(1)
         done = step + 1
-        if args.no_progress and rank0 and (done % 25 == 0 or done == end):
+        if plain and rank0 and (done % 25 == 0 or done == end):
             print(f"step {done}/{args.steps} loss {m['loss']:.4f} tok/s {tok_s:,.0f}", flush=True)
         if (args.eval_every and done % args.eval_every == 0) or done == end:
             v = evaluate(engine, val_tokens, args)

@@ -203,6 +203,20 @@ def tensor_scopes(model: nn.Module) -> dict[str, Scope]:
     return out
 
 
+def own_scopes(model: nn.Module) -> dict[str, Scope]:
+    """FQN -> scope of every parameter and buffer tagged under that very name (its module was built, or the
+    tensor registered, inside the scope). Unlike :func:`tensor_scopes`, a tie does not carry a tag to the
+    tensor's other names: an unannotated embedding tied to a head built in the last stage's scope stays
+    unannotated, so it is never dragged out of its neighbourhood (the pipeline cut then shares the tensor)."""
+    out: dict[str, Scope] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        tags = mod.__dict__.get(_TAG_ATTR, {})
+        for pname, t in itertools.chain(mod._parameters.items(), mod._buffers.items()):
+            if t is not None and tags.get(pname) is not None:
+                out[f"{mname}.{pname}" if mname else pname] = tags[pname]
+    return out
+
+
 def top_level(scope: Scope) -> Scope:
     """The outermost scope of a (possibly nested) scope: the TaskGraph it belongs to."""
     while scope.parent is not None:

@@ -22,10 +22,10 @@ from whale.plan.schedule import in_flight_micro_batches
 
 @dataclass(frozen=True)
 class UnitCut:
-    """Pipeline cut chosen by speed and memory: ``stage_of`` (id(tensor) -> stage) and the unit names per
+    """Pipeline cut chosen by speed and memory: ``stage_of`` (tensor FQN -> stage) and the unit names per
     stage."""
 
-    stage_of: dict[int, int]
+    stage_of: dict[str, int]
     units: list[list[str]]
 
 
@@ -79,15 +79,16 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     s_count, m = layout.num_stages, config.num_micro_batch
     in_flight = [in_flight_micro_batches(s, s_count, m, config.schedule) for s in range(s_count)]
     counts = partition_layers(flops, static, speeds, caps, act, in_flight)
-    stage_of: dict[int, int] = {}
+    stage_of: dict[str, int] = {}
     names: list[list[str]] = []
     start = 0
     for s, c in enumerate(counts):
         names.append([u.name for u in units[start:start + c]])
         for u in units[start:start + c]:
             mod = model.get_submodule(u.name)
-            for t in list(mod.parameters()) + list(mod.buffers()):
-                stage_of.setdefault(id(t), s)
+            for name, _ in [*mod.named_parameters(prefix=u.name, remove_duplicate=False),
+                            *mod.named_buffers(prefix=u.name, remove_duplicate=False)]:
+                stage_of.setdefault(name, s)
         start += c
     return UnitCut(stage_of, names)
 

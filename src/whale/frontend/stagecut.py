@@ -33,21 +33,22 @@ class Cut:
     modules: tuple[fx.GraphModule, ...]
 
 
-def _attr_stage(gm: fx.GraphModule, target: str, stage_of: dict[int, int]) -> int:
+def _attr_stage(gm: fx.GraphModule, target: str, stage_of: dict[str, int]) -> int:
+    """The latest stage owning a tensor reached through ``target`` (a module or a tensor), by name."""
     try:
-        obj = gm.get_submodule(target)
+        mod = gm.get_submodule(target)
     except AttributeError:
-        obj = gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-    tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else [obj]
-    return max((stage_of[id(t)] for t in tensors if id(t) in stage_of), default=-1)
+        return stage_of.get(target, -1)
+    names = [n for n, _ in mod.named_parameters(prefix=target, remove_duplicate=False)]
+    names += [n for n, _ in mod.named_buffers(prefix=target, remove_duplicate=False)]
+    return max((stage_of[n] for n in names if n in stage_of), default=-1)
 
 
-def assign_stages(gm: fx.GraphModule, stage_of: dict[int, int]) -> dict[fx.Node, int]:
+def assign_stages(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[fx.Node, int]:
     """Stage of every :func:`~whale.frontend.graph.compute_nodes` node (see the module docstring).
 
-    ``stage_of`` maps ``id(tensor)`` of annotated parameters/buffers to their stage index.
+    ``stage_of`` maps the FQNs of annotated (or planner-cut) parameters and buffers to their stage index, by
+    the name a module uses: a tensor tied under two names may belong to two stages.
     """
     stages: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
@@ -72,13 +73,28 @@ def _shared(mods: list[fx.GraphModule]) -> tuple[SharedParam, ...]:
     return tuple(SharedParam(tuple(sorted(names[k])), tuple(h)) for k, h in holders.items() if len(h) > 1)
 
 
-def cut_model(model: nn.Module, stage_of: dict[int, int], num_stages: int, leaves: tuple[str, ...],
+def _empty_stage(gm: fx.GraphModule, stages: dict[fx.Node, int], stage_of: dict[str, int], s: int,
+                 num_stages: int) -> str:
+    """Why stage ``s`` got no work: its tensors are never used, or the first node using them runs later
+    because one of its inputs comes from a later stage."""
+    owned = sorted(n for n, st in stage_of.items() if st == s)
+    head = f"stage {s} of {num_stages} has no operations although its TaskGraph holds {owned[:3]}"
+    for node in compute_nodes(gm):
+        if node.op == "call_module" and _attr_stage(gm, node.target, stage_of) == s:
+            late = max(node.all_input_nodes, key=lambda n: stages.get(n, 0))
+            return (f"{head}: {node.target!r} runs in stage {stages[node]} because its input {late.name!r} comes "
+                    f"from stage {stages.get(late, 0)}; a stage's modules must be called before the next stage's "
+                    "(annotate the modules in the order forward uses them)")
+    return f"{head}: forward never calls its modules; annotate modules that forward uses"
+
+
+def cut_model(model: nn.Module, stage_of: dict[str, int], num_stages: int, leaves: tuple[str, ...],
               units: list[list[str]] | None = None) -> Cut:
     """Trace ``model`` and cut it into ``num_stages`` stages (see the module docstring).
 
     Args:
         model: the full local model.
-        stage_of: ``id(parameter or buffer) -> stage`` for annotated (or planner-cut) tensors.
+        stage_of: parameter or buffer FQN -> stage for annotated (or planner-cut) tensors.
         num_stages: S >= 2.
         leaves: module FQNs kept as single calls (split targets).
         units: per stage, the layer units a hardware-aware cut gave it (recorded in the plan).
@@ -95,9 +111,7 @@ def cut_model(model: nn.Module, stage_of: dict[int, int], num_stages: int, leave
     for s in range(num_stages):
         nodes = tuple(n.name for n in compute_nodes(gm) if stages[n] == s)
         if not nodes:
-            raise StageError(
-                f"stage {s} of {num_stages} has no operations: its TaskGraph's modules are never called in "
-                "forward, or every use of them lands in a later stage. Check the annotations' order.")
+            raise StageError(_empty_stage(gm, stages, stage_of, s, num_stages))
         mod = stage_module(gm, stages, num_stages, s)
         params, buffers = tensor_names(mod)
         cuts.append(StageCut(nodes, tuple(params), tuple(buffers), tuple(units[s]) if units else ()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from whale.annotation import Scope, default_strategy, tensor_scopes, top_level
+from whale.annotation import Scope, default_strategy, own_scopes, tensor_scopes, top_level
 from whale.plan.plan import NestedScope
 from whale.plan.planner import TaskGraphSummary
 
@@ -37,21 +37,16 @@ def all_tensors(mod: nn.Module) -> dict[str, object]:
     return out
 
 
-def task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[int, int], dict[str, Scope]]:
-    """``(top-level scopes in model order, id(tensor) -> TaskGraph index, FQN -> scope)``; a model without any
-    annotation is one TaskGraph of the default strategy."""
+def task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[str, int], dict[str, Scope]]:
+    """``(top-level scopes in model order, FQN -> TaskGraph index of the names tagged themselves, FQN -> scope
+    with ties propagated)``; a model without any annotation is one TaskGraph of the default strategy."""
     scopes = tensor_scopes(model)
     tops: dict[int, Scope] = {}
     for s in scopes.values():
         tops.setdefault(top_level(s).uid, top_level(s))
     ordered = [tops[u] for u in sorted(tops)] or [default_strategy()]
     index = {s.uid: i for i, s in enumerate(ordered)}
-    stage_of: dict[int, int] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for pname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            fqn = f"{mname}.{pname}" if mname else pname
-            if t is not None and fqn in scopes:
-                stage_of.setdefault(id(t), index[top_level(scopes[fqn]).uid])
+    stage_of = {fqn: index[top_level(scope).uid] for fqn, scope in own_scopes(model).items()}
     return ordered, stage_of, scopes
 
 

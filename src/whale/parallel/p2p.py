@@ -122,7 +122,7 @@ def post_grads(outputs: tuple, src: int) -> list:
     posted = []
     for v in outputs:
         if isinstance(v, torch.Tensor) and v.requires_grad:
-            g = torch.empty_like(v)
+            g = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous whatever the output's strides
             posted.append((g, dist.irecv(g, src)))
     return posted
 
