@@ -46,7 +46,10 @@ def task_graph_scopes(model: nn.Module) -> tuple[list[Scope], dict[str, int], di
         tops.setdefault(top_level(s).uid, top_level(s))
     ordered = [tops[u] for u in sorted(tops)] or [default_strategy()]
     index = {s.uid: i for i, s in enumerate(ordered)}
-    stage_of = {fqn: index[top_level(scope).uid] for fqn, scope in own_scopes(model).items()}
+    stage_of = {}
+    for fqn, scope in own_scopes(model).items():  # a scope all of whose tensors are tied into another TaskGraph
+        top = top_level(scope)                     # is no TaskGraph of its own: its names follow the tie
+        stage_of[fqn] = index[top.uid] if top.uid in index else index[top_level(scopes[fqn]).uid]
     return ordered, stage_of, scopes
 
 

@@ -2,9 +2,10 @@
 
 Every transfer is non-blocking on the sender side (``dist.isend``), so two neighbouring stages that send to
 each other at the same moment (a forward activation one way, a gradient the other) cannot deadlock.
-A forward transfer is one fixed-size header (the pickled description of the values: shapes, dtypes,
-``requires_grad``, and any non-tensor values inline) followed by one message per tensor. Gradients flow back
-without a header: both sides know their shapes.
+A step's first forward transfer is one fixed-size header (the pickled description of the values: shapes,
+dtypes, ``requires_grad``, and any non-tensor values inline) followed by one message per tensor; the step's
+later micro-batches have the same description (the sender checks), so they send their tensors alone.
+Gradients flow back without a header: both sides know their shapes.
 
 Receives are posted ahead (:class:`PendingRecv`): a stage posts the receive of micro-batch m+1's inputs as soon
 as m's arrived (micro-batches of one step have equal shapes, so the previous header tells the sizes) and the
@@ -42,49 +43,63 @@ def _describe(values: tuple) -> list:
     return meta
 
 
-def send_values(values: tuple, dst: int, device: torch.device) -> list:
-    """Start sending ``values`` to global rank ``dst``; returns the pending works (keep them until done)."""
-    raw = pickle.dumps(_describe(values))
-    if len(raw) > HEADER_BYTES:
-        raise TransferError(f"boundary description is {len(raw)} bytes, over the {HEADER_BYTES}-byte header; "
-                            "pass fewer values across the stage boundary")
-    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
-    header[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    works = [(dist.isend(header, dst), header)]
+def send_values(values: tuple, dst: int, device: torch.device, expect: list | None = None) -> tuple[list, list]:
+    """Start sending ``values`` to global rank ``dst``; returns ``(pending works, description)`` (keep the works
+    until done).
+
+    Without ``expect`` (a step's first micro-batch) a header with the description goes first. With ``expect``
+    (the description sent for this step's first micro-batch) no header is sent: the receiver already posted
+    the tensor receives from that description (:class:`PendingRecv` with ``expect``).
+
+    Raises:
+        TransferError: a value that cannot be sent, a description over the header's size, or values whose
+            description differs from ``expect`` (shapes changed between micro-batches of one step).
+    """
+    meta = _describe(values)
+    works = []
+    if expect is None:
+        raw = pickle.dumps(meta)
+        if len(raw) > HEADER_BYTES:
+            raise TransferError(f"boundary description is {len(raw)} bytes, over the {HEADER_BYTES}-byte header; "
+                                "pass fewer values across the stage boundary")
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
+        header[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        works.append((dist.isend(header, dst), header))
+    elif meta != expect:
+        raise TransferError(f"stage boundary values changed between micro-batches of one step ({expect} then "
+                            f"{meta}); every micro-batch must pass values of the same shapes")
     for v in values:
         if isinstance(v, torch.Tensor):
             t = v.detach().contiguous()
             works.append((dist.isend(t, dst), t))
-    return works
+    return works, meta
 
 
 class PendingRecv:
     """A posted receive of one :func:`send_values` transfer from ``src``.
 
-    With ``expect`` (the description of the previous transfer) the tensor receives are posted at once too;
-    :meth:`wait` then checks that the header matches.
+    Without ``expect`` the header is received first and tells the tensors to receive. With ``expect`` (the
+    description of this step's first micro-batch, which the sender checks its values against) the tensor
+    receives are posted at once and no header is awaited: one header per step, not per micro-batch.
     """
 
     def __init__(self, src: int, device: torch.device, expect: list | None = None) -> None:
         self.src, self.device, self.expect = src, device, expect
-        self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
-        self.work = dist.irecv(self.header, src)
+        self.header = self.work = None
+        if expect is None:
+            self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
+            self.work = dist.irecv(self.header, src)
         self.tensors = _post(expect, src, device) if expect is not None else None
 
     def wait(self) -> tuple[tuple, list]:
         """The received values and their description. Float tensors that required grad on the sender come
-        back as leaves with ``requires_grad=True``.
-
-        Raises:
-            TransferError: the values' shapes changed between micro-batches of a step.
-        """
-        self.work.wait()
-        meta = pickle.loads(self.header.cpu().numpy().tobytes())
-        if self.tensors is None:
+        back as leaves with ``requires_grad=True``."""
+        if self.work is not None:
+            self.work.wait()
+            meta = pickle.loads(self.header.cpu().numpy().tobytes())
             self.tensors = _post(meta, self.src, self.device)
-        elif meta != self.expect:
-            raise TransferError(f"stage boundary values changed between micro-batches of one step ({self.expect} "
-                                f"then {meta}); every micro-batch must pass values of the same shapes")
+        else:
+            meta = self.expect
         out, tensors = [], iter(self.tensors)
         for m in meta:
             if m[0] == "v":

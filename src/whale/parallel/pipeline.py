@@ -89,6 +89,7 @@ class _InFlight:
 
     live: dict = field(default_factory=dict)
     next_inputs: p2p.PendingRecv | None = None
+    sent_meta: list | None = None  # description of this step's first forward transfer (later ones: no header)
     sends: list = field(default_factory=list)
     segment: tuple = (0.0, 0.0)
 
@@ -157,14 +158,15 @@ class StageExecutor:
     def _forward(self, mb: int, work: MicroBatches, grad: bool, state: _InFlight, result: StepResult) -> None:
         links = self.links
         inputs = _as_tuple(work.inputs[mb]) if links.is_first else self._receive(mb, len(work.scales), state)
-        start = (time.perf_counter(), time.thread_time())
+        start = self._clock()
         with torch.set_grad_enabled(grad):
             out = self.module(*inputs)
             if links.is_last:
                 out = self._loss(mb, out, work, result)
-        self._account(start, ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
+        self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
         if not links.is_last:
-            state.sends += p2p.send_values(out, links.next_rank, self.device)
+            works, state.sent_meta = p2p.send_values(out, links.next_rank, self.device, state.sent_meta)
+            state.sends += works
         if grad:
             posted = p2p.post_grads(out, links.next_rank) if not links.is_last else []
             state.live[mb] = (inputs, out, posted)
@@ -191,20 +193,25 @@ class StageExecutor:
             tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
         if last:
             self.before_last_backward(result.loss_sum)
-        start = (time.perf_counter(), time.thread_time())
+        start = self._clock()
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self._account(start, ("B", _shapes(inputs)), state, result)
+        self._account(start, lambda: ("B", _shapes(inputs)), state, result)
         if not self.links.is_first:
             state.sends += p2p.send_grads(inputs, self.links.prev_rank)
 
-    def _account(self, start: tuple[float, float], key: tuple, state: _InFlight, result: StepResult) -> None:
+    def _clock(self) -> tuple[float, float]:
+        """Wall time, and this thread's CPU time when emulating (0.0 otherwise: not needed)."""
+        return time.perf_counter(), time.thread_time() if self.emulator is not None else 0.0
+
+    def _account(self, start: tuple[float, float], key: Callable[[], tuple], state: _InFlight,
+                 result: StepResult) -> None:
         """Add a compute segment to ``busy``. Under emulation, first stretch it to the declared device's speed
         from this thread's CPU time (which runs forward and CPU backward; robust to other processes taking the
-        core)."""
+        core); ``key()`` names the segment's work (only computed when emulating)."""
         wall0, cpu0 = start
         if self.emulator is not None:
-            self.emulator.wait(key, wall0, cpu0, time.thread_time() - cpu0)
+            self.emulator.wait(key(), wall0, cpu0, time.thread_time() - cpu0)
         end = time.perf_counter()
         result.busy += end - wall0
         state.segment = (wall0, end)

@@ -69,6 +69,7 @@ class Engine:
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
         self._batch_checks = 3  # first steps: check that every rank was given the same global batch
+        self._rows = 0  # this lane's rows in the latest step
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
@@ -127,6 +128,7 @@ class Engine:
         inputs, target = batch
         total = batch_size(batch)
         rows = self.plan.micro_batch_rows(total)
+        self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
         dev = self.ctx.device
@@ -155,14 +157,21 @@ class Engine:
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
         self.grad_sync.arm(extra)
 
-    def _global_sum(self, values: list[float], fused: bool = False) -> list[float]:
-        if fused:
-            return [float(self.grad_sync.extra[0])]
+    def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
+        """Start summing ``values`` over the world (float64, asynchronous); the returned call waits for it."""
         if self.world_size == 1:
-            return values
+            return lambda: list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(t)
-        return t.tolist()
+        work = dist.all_reduce(t, async_op=True)
+
+        def result() -> list[float]:
+            """The sums, once the all-reduce is done."""
+            work.wait()
+            return t.tolist()
+        return result
+
+    def _global_sum(self, values: list[float]) -> list[float]:
+        return self._start_sum(values)()
 
     def step(self, batch) -> dict:
         """One optimizer step on the global mini-batch ``batch = (inputs, target)``.
@@ -190,14 +199,16 @@ class Engine:
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
+        fused = self._fuse_loss()
+        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps gradient sync and the update
         self.grad_sync.finish()
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self._zero_grad()
-        (loss,) = self._global_sum([result.loss_sum], fused=self._fuse_loss())
+        (loss,) = [float(self.grad_sync.extra[0])] if fused else loss_sum()
         self.steps_done += 1
-        self.history.record(StepTiming(result.busy, schedule_time, sum(b - a for a, b in self._rows(batch))))
+        self.history.record(StepTiming(result.busy, schedule_time, self._rows))
         if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
             self.rebalance()
         self.last_timeline = result.timeline
@@ -207,9 +218,6 @@ class Engine:
         if norm is not None:
             out["grad_norm"] = norm
         return out
-
-    def _rows(self, batch) -> list[tuple[int, int]]:
-        return self.plan.micro_batch_rows(batch_size(batch))[self.lane]
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""

@@ -1,0 +1,39 @@
+"""benchmarks/vs_torch_pipelining.py on 2 ranks with a tiny config: Whale and torch.distributed.pipelining
+compute the same first-step loss from the same initial weights, for GPipe and 1F1B, and the JSON report has
+its fields. No speed assertion: speed is the benchmark's to report (benchmarks/results/vs_torch_pipelining.json).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.distributed import run_ranks
+
+ARGV = ["--tiny-dim", "16", "--tiny-rows", "8", "--dim", "32", "--rows", "8", "--steps", "2", "--warmup", "1"]
+
+
+def _worker(rank, world, args):
+    from benchmarks import vs_torch_pipelining
+
+    return vs_torch_pipelining.worker(rank, world, args)
+
+
+def test_whale_and_torch_pipelining_agree(tmp_path):
+    from benchmarks import vs_torch_pipelining
+
+    args = vs_torch_pipelining.parse_args(ARGV + ["--out", str(tmp_path / "out.json")])
+    results = run_ranks(_worker, 2, args, timeout=120)[0]
+    report = vs_torch_pipelining.report(results, args)
+    assert [(r["dim"], r["schedule"]) for r in results] == [(16, "GPipe"), (16, "1F1B"), (32, "GPipe"), (32, "1F1B")]
+    for r in results:
+        assert abs(r["first_loss_whale"] - r["first_loss_torch"]) <= 1e-5 * abs(r["first_loss_torch"])
+        assert len(r["losses_whale"]) == len(r["losses_torch"]) == 3  # warmup + timed steps, both frameworks
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert saved["args"]["micro_batches"] == 4
+    for r in saved["results"]:
+        for key in ("whale_step_s", "torch_step_s", "throughput_ratio_vs_torch_pipelining", "first_loss_whale",
+                    "first_loss_torch", "first_loss_rel_diff", "goal_met", "raw_step_s"):
+            assert key in r
+        assert r["whale_step_s"] > 0 and r["torch_step_s"] > 0
+        assert len(r["raw_step_s"]["whale"]) == len(r["raw_step_s"]["torch"]) == 2
