@@ -195,18 +195,65 @@ def test_a_bf16_models_loss_is_reported_in_fp32():
 def _bad_batches(rank, world):
     ctx = wh.init(wh.Config())
     engine = wh.parallelize(TinyLM(stage_layers=(2,)), lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    engine._batch_checks["step"] = 6  # check every one of these steps (3 by default)
     x, y = lm_batches(1, 8)[0]
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(rank))
+    cases = [(x, y[:6]),                                  # every rank: rows disagree
+             (x, y[:6] if rank else y),                    # one rank only: rows disagree
+             (x + rank, y),                                # different batches
+             (x[perm], y[perm]),                           # the same rows, shuffled differently per rank
+             ((x, x) if rank else x, y)]                   # a different number of input tensors
     errors = []
-    for batch in ((x, y[:6]), (x + rank, y)):
+    for batch in cases:
         try:
             engine.step(batch)
-        except wh.BatchError as exc:
+            errors.append("no error")
+        except (wh.BatchError, wh.PlanError) as exc:
             errors.append(str(exc))
     return errors, engine.step((x, y))["loss"]
 
 
 def test_malformed_or_per_rank_batches_fail_on_every_rank_and_lose_nothing():
-    for errors, loss in run_ranks(_bad_batches, 2):
-        assert "(8, 8), (6, 8)" in errors[0] and "same rows" in errors[0]
-        assert "different batches" in errors[1] and "same GLOBAL batch" in errors[1]
-        assert loss > 0
+    (e0, loss0), (e1, loss1) = run_ranks(_bad_batches, 2)
+    assert "(8, 8), (6, 8)" in e0[0] and "same rows" in e0[0] and e0[0] == e1[0]
+    assert "another rank's batch was refused" in e0[1] and "(8, 8), (6, 8)" in e1[1]
+    for errors in (e0, e1):
+        assert all("different batches" in e and "same GLOBAL batch" in e for e in errors[2:])
+    assert loss0 == loss1 > 0
+
+
+def test_an_optimizer_over_a_tensor_outside_the_model_is_refused():
+    from whale.runtime.optim import OptimizerError, bind_optimizer
+
+    model = TinyLM()
+    temperature = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    with pytest.raises(OptimizerError, match=r"1 tensor\(s\) that are not parameters of the model .*shape \(\)"):
+        bind_optimizer(opt, model, {id(p) for p in model.parameters()})
+
+
+def _user_eval_mode(rank, world):
+    ctx = wh.init(wh.Config(load_shares=(5, 3)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model[1].eval()  # frozen statistics while fine-tuning: the engine must not switch it back to train
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        losses.append(engine.step((x, y))["loss"])
+        engine.eval_step((x, y))
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    _assert_same(engine, ref, losses, ref_losses)
+    return model[1].training, model[0].training
+
+
+def test_the_users_own_module_modes_are_kept():
+    for bn_training, linear_training in run_ranks(_user_eval_mode, 2):
+        assert not bn_training and linear_training

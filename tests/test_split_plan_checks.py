@@ -260,3 +260,35 @@ def test_splitrules_imports_nothing_of_whale():
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         assert not any(n.startswith("whale") for n in names), names
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A Linear whose forward does more than a Linear: Whale's Linear rule would silently drop it."""
+
+    def forward(self, x):
+        return super().forward(x) * 3 + 1
+
+
+class _OnlySubclassed(torch.nn.Linear):
+    """A Linear subclass that keeps Linear's forward: it may use the Linear rule."""
+
+
+def test_a_subclass_overriding_forward_does_not_inherit_a_rule():
+    from whale.parallel.split import shard_module
+
+    class Model(torch.nn.Module):
+        def __init__(self, head_type):
+            super().__init__()
+            with wh.replicate():
+                self.body = torch.nn.Linear(4, 4)
+            with wh.split():
+                self.head = head_type(4, 6)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    with pytest.raises(wh.SplitError, match="_ScaledLinear overrides forward"):
+        wh.plan_model(Model(_ScaledLinear), 2)
+    with pytest.raises(wh.SplitError, match="overrides forward"):
+        shard_module(_ScaledLinear(4, 6))
+    assert wh.plan_model(Model(_OnlySubclassed), 2).task_graphs[1].kind == "split"

@@ -101,11 +101,29 @@ def _check_type(module_type) -> None:
 
 
 def split_rule_for(module_type: type) -> SplitRule | None:
-    """The rule for ``module_type``: its own, else the nearest base class's; ``None`` if there is none."""
+    """The rule for ``module_type``: its own, else the nearest base class's; ``None`` if there is none.
+
+    Raises:
+        SplitError: the rule is a base class's but ``module_type`` overrides ``forward`` (the base's shard
+            would silently drop the subclass's computation).
+    """
     for cls in module_type.__mro__:
         if cls in _RULES:
+            _check_forward_kept(module_type, cls)
             return _RULES[cls]
     return None
+
+
+def _check_forward_kept(module_type: type, base: type) -> None:
+    """Refuse inheriting ``base``'s rule when a class between ``module_type`` and ``base`` defines forward."""
+    for cls in module_type.__mro__:
+        if cls is base:
+            return
+        if "forward" in cls.__dict__:
+            raise SplitError(
+                f"split would shard {_name(module_type)} with the rule of its base class {base.__name__}, but "
+                f"{cls.__name__} overrides forward, which the shard would not run; register a rule for it with "
+                f"whale.register_split_rule({module_type.__name__}, rule, dim_size=fn)")
 
 
 # --- plan-time check ------------------------------------------------------------------------------------
@@ -151,6 +169,8 @@ def check_split_module(module: nn.Module, n: int, fqn: str = "") -> None:
         return
     cls = type(module)
     for base in cls.__mro__:
+        if base in _RULES or base in _BUILTIN_DIMS:
+            _check_forward_kept(cls, base)
         if base in _RULES and base not in _BUILTIN_RULES:  # a rule of the user's
             dim_size = _DIM_SIZES.get(base)
             if dim_size is not None:

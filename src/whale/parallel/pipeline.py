@@ -172,10 +172,11 @@ class StageExecutor:
             state.live[mb] = (inputs, out, posted)
 
     def _loss(self, mb: int, out, work: MicroBatches, result: StepResult) -> torch.Tensor:
-        loss = self.loss_fn(out, work.targets[mb]) * work.scales[mb]
+        loss = self.loss_fn(out, work.targets[mb])
+        loss = (loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss) * work.scales[mb]  # fp32
         if self.count_loss:
             result.loss_sum += float(loss.detach())
-            weight = (work.metric_scales or work.scales)[mb]
+            weight = work.metric_scales[mb] if work.metric_scales is not None else work.scales[mb]
             for name, fn in work.metric_fns.items():
                 value = float(fn(out, work.targets[mb])) * weight
                 result.metric_sums[name] = result.metric_sums.get(name, 0.0) + value

@@ -3,7 +3,8 @@
 Every rank is given the same global batch ``(inputs, target)`` and takes its own rows from the plan. Two
 mistakes would otherwise fail deep inside torch on one rank while its peers wait in a collective, or train
 silently on garbage: inputs and targets of different row counts, and per-rank batches (the usual per-rank
-data-loader pattern). Both are caught here with an error every rank raises together.
+data-loader pattern). On the checked steps (:func:`agree_on_batch`) both are caught with an error every rank
+raises together, also when only one rank's batch is bad.
 """
 
 from __future__ import annotations
@@ -55,29 +56,42 @@ def batch_size(batch) -> int:
 
 
 def fingerprint(batch) -> list[float]:
-    """Cheap summary of a batch: per tensor, its row count and the float64 sum of its elements."""
-    out: list[float] = []
-    for t in tensors(batch[0]) + tensors(batch[1]):
-        out += [float(t.size(0)), float(t.detach().to(torch.float64).sum())]
+    """Cheap, fixed-length summary of a batch (float64): how many tensors, their elements, the sum of their
+    values and a position-weighted sum (so reordered rows differ)."""
+    ts = tensors(batch[0]) + tensors(batch[1])
+    out = [float(len(ts)), 0.0, 0.0, 0.0]
+    for t in ts:
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(101).add_(1)
+        out[1] += flat.numel()
+        out[2] += float(flat.sum())
+        out[3] += float(flat.dot(weights))
     return out
 
 
-def check_same_batch(batch, world_size: int, device: torch.device) -> None:
-    """Collective: raise on every rank when the ranks were given different global batches.
-
-    One all-reduce of ``2 x`` the fingerprint's length (max of the fingerprint and of its negation).
+def agree_on_batch(batch, world_size: int, device: torch.device, error: Exception | None = None) -> None:
+    """Collective: raise on EVERY rank when some rank's batch was refused (``error``, raised locally before any
+    communication) or the ranks were given different batches. One all-reduce of 10 float64 values (the max of a
+    failure flag and of the fingerprint and its negation).
 
     Raises:
-        BatchError: the fingerprints differ (every rank raises).
+        the rank's own ``error``; BatchError on the other ranks, naming the problem and the fix.
     """
     if world_size == 1:
+        if error is not None:
+            raise error
         return
     mine = torch.tensor(fingerprint(batch), dtype=torch.float64, device=device)
-    both = torch.cat([mine, -mine])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    top, bottom = both[: mine.numel()], -both[mine.numel():]
-    if not torch.equal(top, bottom):
+    flags = torch.cat([torch.tensor([float(error is not None)], dtype=torch.float64, device=device), mine, -mine])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flags[0] > 0:
+        raise BatchError("another rank's batch was refused (see its error): every rank must pass the same GLOBAL "
+                         "batch to engine.step / eval_step (Whale takes each rank's rows from the plan)")
+    n = mine.numel()
+    if not torch.equal(flags[1: n + 1], -flags[n + 1:]):
         raise BatchError(
-            "the ranks were given different batches: every rank must pass the same GLOBAL batch to "
-            "engine.step (Whale takes each rank's rows from the plan). Build the batches identically on every "
-            "rank (same data order and seed; no DistributedSampler or per-rank shards)")
+            "the ranks were given different batches: every rank must pass the same GLOBAL batch to engine.step "
+            "and eval_step, in the same order (Whale takes each rank's rows from the plan). Build the batches "
+            "identically on every rank (same data order and seed; no DistributedSampler or per-rank shards)")

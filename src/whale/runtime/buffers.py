@@ -266,15 +266,21 @@ class BufferSync:
         in_regions = {id(m) for r in regions for m in r.modules()}
         self.group = _lane_group(model, plan, mesh.stage)
         self.batchnorms = convert_batchnorm(module, self.group, in_regions) if self.group is not None else []
+        global_bn = {id(module.get_submodule(n)) for n in self.batchnorms}
         lane_slots, shard_slots = [], []
         for m in module.modules():
             for name, buf in m._buffers.items():
                 if buf is not None:
                     (shard_slots if id(m) in in_regions else lane_slots).append((m, name))
-        pairs = ((mesh.lanes, lane_slots), (mesh.shard_replicas, shard_slots))
-        self.sets = [_BufferSet(g, slots) for g, slots in pairs if g is not None and slots]
-        for s in self.sets:
-            s.sync(everything=True)
+        pairs = [(g, slots) for g, slots in ((mesh.lanes, lane_slots), (mesh.shard_replicas, shard_slots))
+                 if g is not None and slots]
+        for g, slots in pairs:  # every buffer once at start
+            _BufferSet(g, slots).sync(everything=True)
+        # after each step: not the global BatchNorms' statistics (equal on every lane by construction)
+        pairs = [(g, [(m, n) for m, n in slots if id(m) not in global_bn]) for g, slots in pairs]
+        self.sets = [_BufferSet(g, slots) for g, slots in pairs if slots]
+        for s in self.sets:  # what is there now is in sync: later syncs send what changes from here
+            s.seen = [_mark(t) for t in s.tensors()]
 
     def after_step(self) -> int:
         """Broadcast every buffer that changed on any lane since the last call from lane 0 (collective over

@@ -23,10 +23,10 @@ from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
 from whale.parallel.stages import build_stage
-from whale.plan.plan import Plan
+from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
-from whale.runtime.batch import batch_size, check_same_batch, map_tensors
+from whale.runtime.batch import BatchError, agree_on_batch, batch_size, map_tensors
 from whale.runtime.buffers import BufferSync
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
@@ -68,7 +68,7 @@ class Engine:
             raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
-        self._batch_checks = 3  # first steps: check that every rank was given the same global batch
+        self._batch_checks = {"step": 3, "eval": 1}  # first calls: every rank was given the same global batch
         self._rows = 0  # this lane's rows in the latest step
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
@@ -148,6 +148,21 @@ class Engine:
                             targets=[take(target, a, b) for a, b in loss_rows] if last else [],
                             scales=scales, metric_fns=metrics or {}, metric_scales=row_scales)
 
+    def _checked_micro_batches(self, batch, kind: str, metrics: dict | None = None) -> MicroBatches:
+        """:meth:`_micro_batches`; on the first calls of each kind, every rank also agrees that all were given
+        the same valid global batch (:func:`whale.runtime.batch.agree_on_batch`), so a bad batch on one rank
+        stops every rank instead of leaving its peers in a collective."""
+        if not self._batch_checks[kind]:
+            return self._micro_batches(batch, metrics)
+        self._batch_checks[kind] -= 1
+        work, error = None, None
+        try:
+            work = self._micro_batches(batch, metrics)
+        except (BatchError, PlanError) as exc:
+            error = exc
+        agree_on_batch(batch, self.world_size, self.ctx.device, error)
+        return work
+
     def _fuse_loss(self) -> bool:
         # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
         return (self.plan.num_stages == 1 and not self.split.regions and not self.plan.shared_params
@@ -177,7 +192,9 @@ class Engine:
         """One optimizer step on the global mini-batch ``batch = (inputs, target)``.
 
         ``inputs`` (a tensor or tuple of tensors, dim 0 = samples) and ``target`` must be the same global
-        batch on every rank; each rank takes its rows from the plan.
+        batch on every rank; each rank takes its rows from the plan. Modules run in their own modes, as in one
+        process (``model.train()`` is the default; a submodule put in ``eval()``, e.g. a frozen BatchNorm,
+        stays so).
 
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
@@ -190,12 +207,8 @@ class Engine:
                 given different batches; every rank raises, none is left waiting.
         """
         start = time.perf_counter()
-        self.module.train()
         before = self.grad_sync.bytes_reduced
-        work = self._micro_batches(batch)  # checks the batch's shapes before any collective
-        if self._batch_checks:
-            check_same_batch(batch, self.world_size, self.ctx.device)
-            self._batch_checks -= 1
+        work = self._checked_micro_batches(batch, "step")
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
@@ -227,7 +240,8 @@ class Engine:
 
     def _clip(self) -> float:
         """Clip the global gradient norm to ``config.max_grad_norm``; returns the norm before clipping."""
-        sq = sum(float(p.grad.detach().float().pow(2).sum()) for p in self._norm_owner if p.grad is not None)
+        grads = [p.grad.detach().float() for p in self._norm_owner if p.grad is not None]
+        sq = float(torch.stack([g.pow(2).sum() for g in grads]).sum()) if grads else 0.0  # one device sync
         (total,) = self._global_sum([sq])
         norm = total ** 0.5
         coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
@@ -249,10 +263,14 @@ class Engine:
         Returns:
             ``{"loss": mean over the global batch, **metrics}``.
         """
+        modes = [(m, m.training) for m in self.module.modules()]  # the user's own modes come back afterwards
         self.module.eval()
-        forwards = [a for a in self.actions if a.kind == "F"]
-        result = self.executor.run(forwards, self._micro_batches(batch, metrics), train=False)
-        self.module.train()
+        try:
+            forwards = [a for a in self.actions if a.kind == "F"]
+            result = self.executor.run(forwards, self._checked_micro_batches(batch, "eval", metrics), train=False)
+        finally:
+            for m, training in modes:
+                m.training = training
         names = list(metrics or {})
         values = self._global_sum([result.loss_sum] + [result.metric_sums.get(k, 0.0) for k in names])
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}

@@ -32,7 +32,8 @@ def bind_optimizer(optimizer: torch.optim.Optimizer | Callable, module: nn.Modul
 
     Raises:
         OptimizerError: ``optimizer`` is neither; an instance that has already stepped (its state would belong
-            to full parameters); an instance over none of the model's parameters (built over a copy?).
+            to full parameters); an instance over none of the model's parameters (built over a copy?) or over
+            tensors that are not the model's parameters.
     """
     params = list(module.parameters())
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -55,6 +56,15 @@ def bind_optimizer(optimizer: torch.optim.Optimizer | Callable, module: nn.Modul
         raise OptimizerError(f"the {type(optimizer).__name__} passed to parallelize holds none of the model's "
                              "parameters (built over a copy?); build it over model.parameters() of the model you "
                              "parallelize")
+    foreign = [(i, tuple(p.shape)) for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+               if id(p) not in model_params]
+    if foreign:
+        i, shape = foreign[0]
+        raise OptimizerError(
+            f"the {type(optimizer).__name__} passed to parallelize holds {len(foreign)} tensor(s) that are not "
+            f"parameters of the model (the first, of shape {shape}, in param group {i}); Whale cannot reduce their "
+            "gradients across ranks. Make them parameters of the model (e.g. an nn.Parameter attribute of a "
+            "module) or optimize them separately")
     for group in optimizer.param_groups:
         mine: list[nn.Parameter] = []
         for p in group["params"]:

@@ -28,9 +28,12 @@ def parallelize(
             (or none: the default strategy over all devices). Several top-level TaskGraphs become pipeline
             stages (the model must then be traceable by ``torch.fx.symbolic_trace``).
         loss_fn: ``loss_fn(output, target) -> scalar``, the MEAN over the samples of the batch it is given
-            (like ``F.cross_entropy`` with default reduction); samples must weigh equally.
-        optimizer: a callable ``params -> Optimizer`` (preferred) or an optimizer over ``model.parameters()``
-            (rebuilt over this rank's parameters, keeping its param groups' options).
+            (like ``F.cross_entropy`` with default reduction; samples weigh equally), or a
+            :class:`whale.SumOverCount` such as ``wh.token_cross_entropy()`` (a sum over terms normalised by
+            the terms of the whole global batch: token-mean language-model losses).
+        optimizer: a fresh optimizer over ``model.parameters()`` with any param groups (kept: the engine
+            re-points its groups at this rank's parameters, so LR schedulers attached to it drive training),
+            or a callable ``params -> Optimizer``.
         ctx: from :func:`whale.init`; defaults to the latest one.
         sample_batch: a global batch ``(inputs, target)`` like those given to ``step``: lets the planner
             profile the model (fake tensors, no compute) for memory-constrained shares and, on a mixed
