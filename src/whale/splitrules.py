@@ -127,6 +127,34 @@ def _check_forward_kept(module_type: type, base: type) -> None:
 
 
 # --- plan-time check ------------------------------------------------------------------------------------
+def split_modules(model: nn.Module, targets: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """``(module FQN, shard weights)`` of the modules a stage splits, from the plan's split targets: a model
+    built whole under split (its targets are all loose root parameters) is the root module ``""``."""
+    own = dict(model.named_parameters(recurse=False))
+    loose = [(n, w) for n, w in targets if "." not in n and n in own]
+    if loose and len(loose) == len(targets):
+        return [("", loose[0][1])]
+    return list(targets)
+
+
+def linear_pairs(children: list[nn.Module]) -> list[tuple[int, int | None]]:
+    """How a ``nn.Sequential``'s children shard, in order: ``(i, j)`` for a Linear at i followed (past
+    elementwise modules only) by a Linear at j, cut column then row with no communication in between;
+    ``(i, None)`` for a child sharded on its own."""
+    out, i = [], 0
+    while i < len(children):
+        j = i + 1
+        while j < len(children) and isinstance(children[j], ELEMENTWISE):
+            j += 1
+        if type(children[i]) is nn.Linear and j < len(children) and type(children[j]) is nn.Linear:
+            out.append((i, j))
+            i = j + 1
+        else:
+            out.append((i, None))
+            i += 1
+    return out
+
+
 def check_split_plan(model: nn.Module, plan) -> None:
     """Refuse, before any process starts, a plan whose split targets the runtime could not shard.
 
@@ -141,14 +169,11 @@ def check_split_plan(model: nn.Module, plan) -> None:
     n = plan.stage_width
     if n <= 1:
         return
-    own = dict(model.named_parameters(recurse=False))
     for stage in range(plan.num_stages):
-        targets = [name for name, _ in plan.split_targets(stage)]
-        loose = [name for name in targets if "." not in name and name in own]
-        if loose and len(loose) == len(targets):  # the whole model was built under split
-            check_split_module(model, n, "")
-            continue
-        for name in targets:
+        for name, _ in split_modules(model, plan.split_targets(stage)):
+            if name == "":  # the whole model was built under split
+                check_split_module(model, n, "")
+                continue
             try:
                 module = model.get_submodule(name)
             except AttributeError:
@@ -229,19 +254,13 @@ def _sequential_dims(module: nn.Sequential, fqn: str, n: int) -> None:
     """As ``_sequential_rule``: a Linear → elementwise* → Linear run is column then row sharded, both along the
     first Linear's out_features; every other child is checked on its own."""
     kids: list[tuple[str, nn.Module]] = list(module._modules.items())
-    i = 0
-    while i < len(kids):
-        j = i + 1
-        while j < len(kids) and isinstance(kids[j][1], ELEMENTWISE):
-            j += 1
-        if type(kids[i][1]) is nn.Linear and j < len(kids) and type(kids[j][1]) is nn.Linear:
-            first, second = _join(fqn, kids[i][0]), _join(fqn, kids[j][0])
-            _bound(kids[i][1], first, "out_features", kids[i][1].out_features, n,
-                   note=f", the column half of the Linear pair {first!r} -> {second!r}")
-            i = j + 1
+    for i, j in linear_pairs([m for _, m in kids]):
+        if j is None:
+            check_split_module(kids[i][1], n, _join(fqn, kids[i][0]))
             continue
-        check_split_module(kids[i][1], n, _join(fqn, kids[i][0]))
-        i += 1
+        first, second = _join(fqn, kids[i][0]), _join(fqn, kids[j][0])
+        _bound(kids[i][1], first, "out_features", kids[i][1].out_features, n,
+               note=f", the column half of the Linear pair {first!r} -> {second!r}")
 
 
 _BUILTIN_DIMS: dict[type, Callable[[nn.Module, str, int], None]] = {

@@ -9,14 +9,7 @@ from whale.parallel.bridge import SplitRegion
 from whale.parallel.split import SplitError, shard_module
 from whale.parallel.split_state import shard_ties
 from whale.plan.plan import Plan
-
-
-def _targets_by_module(module: nn.Module, targets: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
-    """Map loose root-level tensor names (a whole model built under split) onto the root module ``""``."""
-    loose = [(n, w) for n, w in targets if "." not in n and n in dict(module.named_parameters(recurse=False))]
-    if loose and len(loose) == len(targets):
-        return [("", loose[0][1])]
-    return targets
+from whale.splitrules import split_modules
 
 
 class SplitRuntime:
@@ -47,7 +40,7 @@ class SplitRuntime:
         self.sharded_loss = any(r.sharded_output for r in self.regions)
 
     def _install(self, plan: Plan, stage: int, group) -> None:
-        for name, weights in _targets_by_module(self.module, plan.split_targets(stage)):
+        for name, weights in split_modules(self.module, plan.split_targets(stage)):
             weights = list(weights) or None
             if name == "":
                 self.module = self._region(self.module, group, weights)

@@ -93,6 +93,7 @@ from whale.splitrules import (
     SplitError,
     SplitRule,
     _register_builtin,
+    linear_pairs,
     register_split_rule,
     split_rule_for,
 )
@@ -331,23 +332,18 @@ def _sequential_rule(module, group, sizes, **ctx):
     """Children in order; Linear, elementwise*, Linear → column, pass-through, row (no comm in between)."""
     names, kids = list(module._modules), list(module._modules.values())
     out: OrderedDict[str, nn.Module] = OrderedDict()
-    weights, i = ctx.get("weights"), 0
-    while i < len(kids):
-        j = i + 1
-        while j < len(kids) and isinstance(kids[j], ELEMENTWISE):
-            j += 1
-        if type(kids[i]) is nn.Linear and j < len(kids) and type(kids[j]) is nn.Linear:
+    weights = ctx.get("weights")
+    for i, j in linear_pairs(kids):  # the pairing the plan-time check uses too
+        if j is not None:
             col = ColumnParallelLinear(kids[i], group, sizes, gather_output=False, weights=weights)
             out[names[i]] = col
             out.update({names[k]: kids[k] for k in range(i + 1, j)})
             out[names[j]] = RowParallelLinear(kids[j], group, col.sizes, input_is_parallel=True)
-            i = j + 1
             continue
         # Full output needed unless only elementwise modules follow (then the caller decides).
-        last = j == len(kids)
+        last = all(isinstance(k, ELEMENTWISE) for k in kids[i + 1:])
         out[names[i]] = shard_module(kids[i], group, sizes, weights=weights,
                                      gather_output=ctx.get("gather_output", False) if last else True)
-        i += 1
     return nn.Sequential(out)
 
 
