@@ -157,3 +157,11 @@ class HeadScopedTie(nn.Module):
 
     def forward(self, idx):
         return self.head(self.block1(self.block0(self.emb(idx))))
+
+
+def reference_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+    """One plain-PyTorch training step of the one-process reference on the (just computed) ``loss``."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()

@@ -16,7 +16,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import RecordingAdamW, RecordingSGD, SkipLM, TinyLM, lm_batches, lm_loss
+from tests.models import RecordingAdamW, RecordingSGD, SkipLM, TinyLM, lm_batches, lm_loss, reference_step
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -168,11 +168,7 @@ def _strided(rank, world):
     for _ in range(3):
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
         losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(reference_step(ref_opt, torch.nn.functional.mse_loss(ref(x), y)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
     return losses
 

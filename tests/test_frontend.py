@@ -16,7 +16,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import TinyLM, lm_batches, lm_loss, tied_pipe_with_split
+from tests.models import TinyLM, lm_batches, lm_loss, reference_step, tied_pipe_with_split
 from whale.frontend.graph import StageError
 from whale.parallel.stages import build_stage
 
@@ -141,11 +141,7 @@ def _tie_in_last_scope(rank, world):
     losses, ref_losses = [], []
     for x, y in lm_batches(3, 8):
         losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(reference_step(ref_opt, lm_loss(ref(x), y)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     return sorted(n for n, _ in engine.module.named_parameters(remove_duplicate=False))
 

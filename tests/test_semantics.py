@@ -16,7 +16,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import Block, TinyLM, lm_batches, lm_loss
+from tests.models import Block, TinyLM, lm_batches, lm_loss, reference_step
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -50,11 +50,8 @@ def _token_loss(rank, world, spec):
     losses, ref_losses = [], []
     for x, y in _padded_batches(3, len(spec["valid"]), spec["valid"]):
         losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        ref_losses.append(reference_step(ref_opt, ref_loss))
     _assert_same(engine, ref, losses, ref_losses)
     return losses
 
@@ -100,11 +97,7 @@ def _no_grad(rank, world):
             engine.module.first.weight.requires_grad_(True)
             ref.first.weight.requires_grad_(True)
         losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = F.mse_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
     _assert_same(engine, ref, losses, ref_losses)
     return model.never.weight.detach().clone()
 
@@ -245,11 +238,7 @@ def _user_eval_mode(rank, world):
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
         losses.append(engine.step((x, y))["loss"])
         engine.eval_step((x, y))
-        ref_opt.zero_grad()
-        loss = F.mse_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
     _assert_same(engine, ref, losses, ref_losses)
     return model[1].training, model[0].training
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import PipeWithSplit, RecordingAdamW, RecordingSGD
+from tests.models import PipeWithSplit, RecordingAdamW, RecordingSGD, reference_step
 from tests.test_split_runtime import Classifier, _with_shard_weights
 from whale.parallel.bridge import ShardedLogits
 from whale.parallel.split import (
@@ -250,11 +250,7 @@ def _tied_run(rank, world, shares, shard_weights):
     for x, _ in _steps(4, 6, lambda g: torch.randint(0, 11, (6, 5), generator=g), 11):
         y = torch.roll(x, 1, dims=1)
         losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = _lm_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(reference_step(ref_opt, _lm_loss(ref(x), y)))
     full = engine.full_state_dict()
     errors = []
     for bad_x, bad_y in [(torch.full((6, 5), 11), torch.zeros(6, 5, dtype=torch.long)),

@@ -182,6 +182,7 @@ def local_param(full: torch.Tensor, dim: int, start: int, size: int, bound: floa
     ``bound=None``, normal(0, 1) (Embedding's default). Shards of one position are made equal across
     replicas by the engine's broadcast."""
     def make() -> nn.Parameter:
+        """The shard, made once and shared by every module that ties to it."""
         if not full.is_meta:
             return nn.Parameter(full.detach().narrow(dim, start, size).clone(), requires_grad=full.requires_grad)
         return _materialize([*full.shape[:dim], size, *full.shape[dim + 1:]], full, bound)
@@ -194,6 +195,7 @@ def replicated_param(full: torch.Tensor, group, bound: float | None) -> nn.Param
     (collective then: every rank of the group builds its shard at the same time), so that every rank holds
     the same values."""
     def make() -> nn.Parameter:
+        """The shard, made once and shared by every module that ties to it."""
         if not full.is_meta:
             return nn.Parameter(full.detach().clone(), requires_grad=full.requires_grad)
         p = _materialize(list(full.shape), full, bound)

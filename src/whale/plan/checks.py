@@ -25,6 +25,7 @@ def _fail(where: str, value: Any, problem: str, fix: str) -> NoReturn:
 def _scalar(ok: Callable[[Any], bool], store: Callable, problem: str, fix: Callable[[Any], str]) -> Check:
     """Checker: ``store(v)`` when ``ok(v)``, else a PlanError naming the path, the value, the problem and the fix."""
     def check(v: Any, where: str) -> Any:
+        """Check ``v`` at path ``where``; return it as stored."""
         if not ok(v):
             _fail(where, v, problem, fix(v))
         return store(v)
@@ -34,6 +35,7 @@ def _scalar(ok: Callable[[Any], bool], store: Callable, problem: str, fix: Calla
 def _int(low: int, nullable: bool = False) -> Check:
     """Checker: an integer >= ``low`` (a bool or a float is not one), or None when ``nullable``."""
     def fix(v: Any) -> str:
+        """The fix to suggest for a bad value."""
         near = isinstance(v, float) and v.is_integer() or isinstance(v, str) and v.isdecimal()
         return f"write {int(v)} (no quotes or point)" if near and int(v) >= low else f"use a whole number >= {low}"
     return _scalar(lambda v: (v is None and nullable) or (isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -50,6 +52,7 @@ def _real(positive: bool) -> Check:
 
 def _choice(options: tuple[str, ...]) -> Check:
     def check(v: Any, where: str) -> str:
+        """Check ``v`` at path ``where``; return it as stored."""
         if v not in options:
             raise PlanError(f"{where} {v!r} is unknown; choose one of {options}")
         return v
@@ -64,6 +67,7 @@ def _seq(item: Check, what: str, least: int = 0) -> Check:
     """Checker: a list or tuple (never a string) of ``least`` or more different entries (any number, repeats
     allowed, when ``least`` is 0) that pass ``item``; stored as a tuple."""
     def check(v: Any, where: str) -> tuple:
+        """Check ``v`` at path ``where``; return it as stored."""
         if not isinstance(v, (list, tuple)):
             _fail(where, v, f"must be a list of {what}, not {type(v).__name__}",
                   f"write [{v!r}] for a single entry" if isinstance(v, str) and item is _STR
@@ -92,6 +96,7 @@ def _check_keys(cls: type, data: Any, where: str) -> None:
 def _node(cls: type) -> Check:
     """Checker: a ``cls`` instance, or a dict made into one; its errors are renamed by their path."""
     def check(v: Any, where: str) -> Any:
+        """Check ``v`` at path ``where``; return it as stored."""
         if isinstance(v, cls):
             return v
         _check_keys(cls, v, where)

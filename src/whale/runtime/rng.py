@@ -101,6 +101,7 @@ def sharded_random_modules(module: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
 
     def walk(m: nn.Module, sharded: bool) -> bool:
+        """Collect random modules acting on sharded values under ``m``; returns whether its output is sharded."""
         if isinstance(m, nn.Sequential):
             for child in m:
                 sharded = walk(child, sharded)
