@@ -22,7 +22,7 @@ def _run(tmp: Path, *extra: str) -> str:
            str(ROOT / "examples/gpt/train.py"), "--data-dir", str(tmp / "data"), "--vocab-size", "300",
            "--n-layer", "4", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "8",
            "--eval-every", "3", "--eval-batches", "2", "--ckpt-dir", str(tmp / "ckpt"), "--sample-tokens", "8",
-           "--summary", str(tmp / "summary.json"), "--no-progress", *extra]
+           "--summary", str(tmp / "summary.json"), "--tensorboard", str(tmp / "tb"), "--no-progress", *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -39,6 +39,8 @@ def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
     assert "Whale plan: 4 rank(s) = 2 pipeline stages of 1 device(s) x 2 replicas" in out
     assert "EMULATED" in out and "V100-32GB" in out
     assert "bubble report" in out and "held-out loss" in out
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0  # TensorBoard scalars beside the JSON summary
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["steps"] == 6 and first["final_val_loss"] < first["initial_val_loss"]
     out = _run(tmp_path, "--steps", "8", "--resume")

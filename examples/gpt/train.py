@@ -40,6 +40,7 @@ from examples.gpt.data import (  # noqa: E402
     prepare,
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from examples.gpt.scalars import Scalars  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
 
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
+    a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
       help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
     return p.parse_args(argv)
@@ -167,7 +169,7 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
     return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
 
 
-def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict) -> dict:
+def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict, scalars: Scalars) -> dict:
     """Run steps ``start..end-1``; returns ``state`` with val losses, train losses, throughput and times."""
     rank0 = engine.rank == 0
     tokens_per_step = args.batch_size * args.seq_len
@@ -188,6 +190,7 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
         tok_s = state["train_tokens"] / state["train_time"]
         lr = lr_at(step, args, state["lr_horizon"])
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}")
+        scalars.step(step + 1, m["loss"], tok_s, lr)
         bar.update(1)
         done = step + 1
         if plain and rank0 and (done % 25 == 0 or done == end):
@@ -195,6 +198,7 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
         if (args.eval_every and done % args.eval_every == 0) or done == end:
             v = evaluate(engine, val_tokens, args)
             state["val"].append([done, v])
+            scalars.eval(done, v)
             if rank0:
                 bar.write(f"step {done}: held-out loss {v:.4f} (train loss {m['loss']:.4f})")
         if args.ckpt_every and done % args.ckpt_every == 0 and done != end:
@@ -277,11 +281,15 @@ def run(argv: list[str] | None = None) -> None:
         print(f"step 0: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})"
               + (f"; resuming at step {start}" if start else ""))
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
-    state = train_loop(engine, args, batches, val_tokens, start, end, state)
+    scalars = Scalars(args.tensorboard, ctx.rank)
+    if start == 0:
+        scalars.eval(0, state["val0"])
+    state = train_loop(engine, args, batches, val_tokens, start, end, state, scalars)
     state["steps_done"] = end
     save(engine, args, end, batches, state)
     full = engine.full_state_dict()
     bubble = bubble_report(engine, args)
+    scalars.close(end, bubble)
     if ctx.rank == 0:
         finish(args, cfg, engine, full, state, bubble, time.time() - wall0)
     if dist.is_initialized():
