@@ -7,6 +7,7 @@ Tolerance as in test_equivalence (fp32, rtol 1e-5, atol 1e-6, AdamW lr 1e-3 unle
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -246,3 +247,42 @@ def _user_eval_mode(rank, world):
 def test_the_users_own_module_modes_are_kept():
     for bn_training, linear_training in run_ranks(_user_eval_mode, 2):
         assert not bn_training and linear_training
+
+
+# --- keyword inputs: a dict batch, per-sample tensors sliced by rows, the rest passed whole -------------------
+class Masked(nn.Module):
+    """``forward(ids, mask=None, scale=1.0)``: an embedding, a per-sample mask, and a whole (not per-sample)
+    positional bias and flag; two stages when ``stages``."""
+
+    def __init__(self, stages: bool, vocab=16, d=6):
+        super().__init__()
+        with (wh.replicate(1) if stages else contextlib.nullcontext()):
+            self.emb = nn.Embedding(vocab, d)
+        with (wh.replicate(1) if stages else contextlib.nullcontext()):
+            self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, mask=None, bias=None):
+        x = self.emb(ids) * mask.unsqueeze(-1) + bias
+        return self.head(x)
+
+
+def _keywords(rank, world, stages):
+    ctx = wh.init(wh.Config(num_micro_batch=2 if stages else 1, load_shares=None if stages else (5, 3)))
+    torch.manual_seed(0)
+    model = Masked(stages)
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.5), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    bias = torch.linspace(0, 1, 6)  # [d]: one per feature, not per sample (6 != 8 rows): passed whole
+    losses, ref_losses = [], []
+    for x, y in [(x % 16, y % 16) for x, y in lm_batches(3, 8, seq=5, vocab=16)]:
+        mask = (x > 3).float()
+        losses.append(engine.step(({"ids": x, "mask": mask, "bias": bias}, y))["loss"])
+        ref_losses.append(reference_step(ref_opt, lm_loss(ref(x, mask=mask, bias=bias), y)))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    return losses
+
+
+@pytest.mark.parametrize("stages", [False, True])
+def test_keyword_inputs_are_sliced_per_sample_and_passed_whole_otherwise(stages):
+    run_ranks(_keywords, 2, stages)

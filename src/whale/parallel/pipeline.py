@@ -48,7 +48,8 @@ class MicroBatches:
     """One step's work for this rank, per micro-batch.
 
     Attributes:
-        inputs: the model's forward arguments (stage 0 only; empty elsewhere).
+        inputs: the model's forward arguments (stage 0 only; empty elsewhere): a tuple of positional arguments,
+            or a dict of keyword arguments.
         targets: the loss targets (last stage only).
         scales: the weight of each micro-batch's loss in the global loss: ``rows / global_batch`` for a
             per-sample mean, ``1 / terms of the global batch`` for a token-weighted sum.
@@ -157,10 +158,11 @@ class StageExecutor:
 
     def _forward(self, mb: int, work: MicroBatches, grad: bool, state: _InFlight, result: StepResult) -> None:
         links = self.links
-        inputs = _as_tuple(work.inputs[mb]) if links.is_first else self._receive(mb, len(work.scales), state)
+        given = work.inputs[mb] if links.is_first else self._receive(mb, len(work.scales), state)
+        inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
         start = self._clock()
         with torch.set_grad_enabled(grad):
-            out = self.module(*inputs)
+            out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
             if links.is_last:
                 out = self._loss(mb, out, work, result)
         self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)

@@ -18,31 +18,56 @@ class BatchError(ValueError):
 
 
 def tensors(x) -> list[torch.Tensor]:
-    """The tensors of a tensor or (nested) tuple/list of them, in order."""
+    """The tensors of a tensor or (nested) tuple/list/dict of them, in order."""
     if isinstance(x, torch.Tensor):
         return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in tensors(v)]
     if isinstance(x, tuple | list):
         return [t for v in x for t in tensors(v)]
     return []
 
 
 def map_tensors(x, fn):
-    """``x`` with ``fn`` applied to every tensor (tuples and lists keep their type)."""
+    """``x`` with ``fn`` applied to every tensor (tuples, lists and dicts keep their type)."""
     if isinstance(x, torch.Tensor):
         return fn(x)
+    if isinstance(x, dict):
+        return {k: map_tensors(v, fn) for k, v in x.items()}
     if isinstance(x, tuple | list):
         return type(x)(map_tensors(v, fn) for v in x)
     return x
 
 
+def slice_rows(x, start: int, stop: int, rows: int, device: torch.device):
+    """Rows ``start:stop`` of ``x`` on ``device``. Keyword inputs (a dict) are sliced where a tensor holds one
+    row per sample (dim 0 == ``rows``) and passed whole otherwise (a causal mask, a flag, ``use_cache=False``);
+    a tensor or a tuple/list of them is all per-sample."""
+    if isinstance(x, dict):
+        return {k: slice_rows(v, start, stop, rows, device)
+                if isinstance(v, torch.Tensor) and v.dim() and v.size(0) == rows
+                else map_tensors(v, lambda t: t.to(device, non_blocking=True)) for k, v in x.items()}
+    return map_tensors(x, lambda t: t[start:stop].to(device, non_blocking=True))
+
+
 def batch_size(batch) -> int:
-    """Rows (dim 0) of a batch ``(inputs, target)``, checked to agree across every tensor in it.
+    """Rows (dim 0) of a batch ``(inputs, target)``, checked to agree across every per-sample tensor in it.
+
+    ``inputs`` is a tensor, a tuple/list of tensors (every one per-sample), or a dict of keyword inputs (the
+    model is called as ``model(**inputs)``; its per-sample tensors are those with the target's rows).
 
     Raises:
-        BatchError: no tensor in the inputs, a 0-dim tensor, or tensors of different row counts (naming
-            each shape).
+        BatchError: no tensor in the inputs (or, for keyword inputs, in the target), a 0-dim tensor, or
+            per-sample tensors of different row counts (naming each shape).
     """
     inputs, target = batch
+    if isinstance(inputs, dict):  # keyword inputs: the target's rows are the samples
+        target_ts = tensors(target)
+        if not target_ts or target_ts[0].dim() == 0:
+            raise BatchError("with keyword inputs (a dict) the target must be a tensor with one row per sample: "
+                             "its rows tell which inputs are per-sample")
+        rows = target_ts[0].size(0)
+        inputs = [t for t in tensors(inputs) if t.dim() and t.size(0) == rows] or target_ts
     ts = tensors(inputs)
     if not ts:
         raise BatchError(f"cannot find the batch dimension of {type(inputs).__name__}: pass tensors (dim 0 = "

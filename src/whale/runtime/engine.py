@@ -26,7 +26,7 @@ from whale.parallel.stages import build_stage
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
-from whale.runtime.batch import BatchError, agree_on_batch, batch_size, map_tensors
+from whale.runtime.batch import BatchError, agree_on_batch, batch_size, slice_rows
 from whale.runtime.buffers import BufferSync
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
@@ -135,7 +135,7 @@ class Engine:
 
         def take(x, a, b):
             """Rows a:b of x, on this rank's device."""
-            return map_tensors(x, lambda t: t[a:b].to(dev, non_blocking=True))
+            return slice_rows(x, a, b, total, dev)
 
         last = self.stage == self.plan.num_stages - 1
         row_scales = [(b - a) / total for a, b in loss_rows]
