@@ -286,3 +286,65 @@ def _keywords(rank, world, stages):
 @pytest.mark.parametrize("stages", [False, True])
 def test_keyword_inputs_are_sliced_per_sample_and_passed_whole_otherwise(stages):
     run_ranks(_keywords, 2, stages)
+
+
+# --- the loss reduction never interleaves with gradient buckets; traced calls follow the model's mode ---------
+class DataDependent(nn.Module):
+    """A block that runs only when a row's first feature is positive: lanes differ in whether it is used."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.first, self.extra = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.extra(h) if bool(x[:, 0].sum() > 0) else h
+
+
+def _bf16_data_dependent(rank, world):
+    ctx = wh.init(wh.Config())
+    model = DataDependent().to(torch.bfloat16)  # a bf16 bucket: the loss is reduced on its own
+    engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    x = torch.randn(8, 8).abs().to(torch.bfloat16)
+    x[4:, 0] = -x[4:, 0] - 1  # lane 0's rows use `extra`, lane 1's do not
+    losses = [engine.step((x, x))["loss"] for _ in range(3)]
+    return losses, [p.detach().float().clone() for p in model.parameters()]
+
+
+def test_a_separately_reduced_loss_never_interleaves_with_gradient_buckets():
+    (l0, p0), (l1, p1) = run_ranks(_bf16_data_dependent, 2)
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+
+
+class FunctionalDropoutPipe(nn.Module):
+    """Two stages with functional dropout (``training=self.training``) in the model's own forward."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        with wh.replicate(1):
+            self.a = nn.Linear(d, d)
+        with wh.replicate(1):
+            self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(F.dropout(self.a(x), 0.5, training=self.training))
+
+
+def _eval_before_parallelize(rank, world):
+    ctx = wh.init(wh.Config(num_micro_batch=2))
+    model = FunctionalDropoutPipe().eval()  # e.g. from_pretrained returns eval(): no dropout, as in one process
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    losses, ref_losses = [], []
+    for _ in range(2):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        losses.append(engine.step((x, y))["loss"])
+        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    return losses
+
+
+def test_traced_functional_dropout_follows_the_models_mode():
+    run_ranks(_eval_before_parallelize, 2)

@@ -86,7 +86,7 @@ def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.Graph
     finally:
         for m, flag in modes:
             m.training = flag
-    return _honour_mode(train_gm, eval_gm, type(model).__name__)
+    return _honour_mode(train_gm, eval_gm, model)
 
 
 # --- train/eval mode ---------------------------------------------------------------------------------------
@@ -109,17 +109,21 @@ class ModeSwitch(nn.Module):
         train, eval_: ``(args, kwargs)`` of the call traced in each mode, with :class:`_Slot` ``(i)`` where
             the call takes its i-th input.
 
-    ``forward(*inputs)`` makes the call with this module's mode's arguments (``self.training``, set by the
-    stage module's ``train()`` / ``eval()``) and returns its result. No parameters or buffers.
+    ``forward(*inputs)`` makes the call with the eval arguments when this module or ``owner`` (the module whose
+    forward made the call, in the model) is in eval mode, as the model would: ``model.eval()``, a submodule's
+    own ``eval()`` and the stage's ``eval()`` all reach it. No parameters or buffers; ``owner`` is referenced,
+    not registered as a child.
     """
 
-    def __init__(self, op: str, target, train: tuple, eval_: tuple) -> None:
+    def __init__(self, op: str, target, train: tuple, eval_: tuple, owner: nn.Module | None = None) -> None:
         super().__init__()
         self.op, self.target, self.templates = op, target, {True: train, False: eval_}
+        self.__dict__["_owner"] = owner  # not a submodule: its tensors stay where the model has them
 
     def forward(self, *inputs):
         """The call in the current mode (shapes and errors are the call's own)."""
-        args, kwargs = fx.node.map_aggregate(self.templates[self.training],
+        training = self.training and (self._owner is None or self._owner.training)
+        args, kwargs = fx.node.map_aggregate(self.templates[training],
                                              lambda a: inputs[a.index] if isinstance(a, _Slot) else a)
         if self.op == "call_method":
             return getattr(args[0], self.target)(*args[1:], **kwargs)
@@ -155,26 +159,34 @@ def _mode_error(model_name: str, node: fx.Node, what: str) -> StageError:
         "(F.dropout(x, p, training=self.training) is supported); or use a single TaskGraph (no pipeline).")
 
 
-def _switch(node: fx.Node, other: fx.Node, by_name: dict[str, fx.Node]) -> ModeSwitch:
+def _switch(node: fx.Node, other: fx.Node, by_name: dict[str, fx.Node], model: nn.Module) -> ModeSwitch:
     """Turn ``node`` (train trace) into a call of a :class:`ModeSwitch` that also knows ``other`` (eval
-    trace); returns the switch to register on the graph module."""
+    trace) and follows the mode of the module whose forward made the call; returns the switch to register on
+    the graph module."""
     names: dict[str, int] = {}
     for n in node.all_input_nodes + other.all_input_nodes:
         names.setdefault(n.name, len(names))
     template = lambda n: fx.node.map_arg((n.args, dict(n.kwargs)), lambda a: _Slot(names[a.name]))  # noqa: E731
-    switch = ModeSwitch(node.op, node.target, template(node), template(other))
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    try:
+        owner = model.get_submodule(path) if path else model
+    except AttributeError:
+        owner = model
+    switch = ModeSwitch(node.op, node.target, template(node), template(other), owner)
     node.op, node.target = "call_module", f"_whale_mode_{node.name}"
     node.args, node.kwargs = tuple(by_name[n] for n in names), {}
     return switch
 
 
-def _honour_mode(train_gm: fx.GraphModule, eval_gm: fx.GraphModule, model_name: str) -> fx.GraphModule:
+def _honour_mode(train_gm: fx.GraphModule, eval_gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     """``train_gm`` with every mode-dependent call made a :class:`ModeSwitch` (see the module docstring).
 
     Raises:
         StageError: the two graphs differ in their operations, or in the arguments of a submodule call,
             attribute or the output (naming the module).
     """
+    model_name = type(model).__name__
     train_nodes, eval_nodes = list(train_gm.graph.nodes), list(eval_gm.graph.nodes)
     key = lambda n: (n.op, n.target, n.name)  # noqa: E731
     for t, e in zip(train_nodes, eval_nodes, strict=False):
@@ -196,7 +208,7 @@ def _honour_mode(train_gm: fx.GraphModule, eval_gm: fx.GraphModule, model_name: 
         if t.op not in ("call_function", "call_method"):
             raise _mode_error(model_name, t, f"passes arguments that depend on self.training to {t.op} "
                                              f"{t.target!r}")
-        train_gm.add_submodule(f"_whale_mode_{t.name}", _switch(t, e, by_name))
+        train_gm.add_submodule(f"_whale_mode_{t.name}", _switch(t, e, by_name, model))
         changed = True
     if changed:
         train_gm.recompile()

@@ -160,20 +160,32 @@ def convert_batchnorm(module: nn.Module, group, skip: set[int] = frozenset()) ->
             the message names it and the fix).
     """
     names = []
+    check_batchnorms(module, skip)
     for name, m in module.named_modules():
         if not isinstance(m, _BatchNorm) or id(m) in skip:
             continue
-        own = type(m).forward
-        if own not in (_BatchNorm.forward, nn.SyncBatchNorm.forward, GlobalBatchNorm.forward):
+        m.__class__ = _global_class(type(m))
+        m.whale_group = group
+        names.append(name)
+    return names
+
+
+def check_batchnorms(module: nn.Module, skip: set[int] = frozenset()) -> None:
+    """Refuse a BatchNorm whose statistics cannot be made global (see :func:`convert_batchnorm`). No
+    communication: the engine calls it on every rank before it makes any process group, so every rank raises.
+
+    Raises:
+        ValueError: a BatchNorm subclass with its own ``forward``, named with the fix.
+    """
+    for name, m in module.named_modules():
+        if not isinstance(m, _BatchNorm) or id(m) in skip:
+            continue
+        if type(m).forward not in (_BatchNorm.forward, nn.SyncBatchNorm.forward, GlobalBatchNorm.forward):
             raise ValueError(
                 f"BatchNorm {name!r} ({type(m).__name__}) overrides forward, so Whale cannot make its statistics "
                 "span the data-parallel lanes (each lane would normalize by its own rows and the replicas' "
                 "running statistics would drift). Fix: use torch's BatchNorm classes (subclasses that keep "
                 "forward are fine), or give this stage a single lane.")
-        m.__class__ = _global_class(type(m))
-        m.whale_group = group
-        names.append(name)
-    return names
 
 
 def _lane_group(model: nn.Module, plan: Plan, stage: int):

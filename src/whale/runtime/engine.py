@@ -27,7 +27,7 @@ from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
 from whale.runtime.batch import BatchError, agree_on_batch, batch_size, slice_rows
-from whale.runtime.buffers import BufferSync
+from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
@@ -68,6 +68,7 @@ class Engine:
             raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
+        self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
         self._batch_checks = {"step": 3, "eval": 1}  # first calls: every rank was given the same global batch
         self._rows = 0  # this lane's rows in the latest step
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -78,6 +79,8 @@ class Engine:
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
+        if plan.num_lanes > 1:
+            check_batchnorms(model)  # before any process group: a refused BatchNorm stops every rank alike
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
@@ -213,8 +216,8 @@ class Engine:
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
         fused = self._fuse_loss()
-        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps gradient sync and the update
-        self.grad_sync.finish()
+        self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
+        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps clipping and the update
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
@@ -263,8 +266,10 @@ class Engine:
         Returns:
             ``{"loss": mean over the global batch, **metrics}``.
         """
-        modes = [(m, m.training) for m in self.module.modules()]  # the user's own modes come back afterwards
-        self.module.eval()
+        roots = (self.module, self._model)
+        modes = [(m, m.training) for r in roots for m in r.modules()]  # the user's own modes come back afterwards
+        for r in roots:
+            r.eval()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
             result = self.executor.run(forwards, self._checked_micro_batches(batch, "eval", metrics), train=False)
