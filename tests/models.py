@@ -165,3 +165,19 @@ def reference_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
     loss.backward()
     opt.step()
     return loss.item()
+
+
+def mse_side_by_side(engine, ref: nn.Module, ref_opt: torch.optim.Optimizer, steps: int, shape_in, shape_out,
+                     after_step=None) -> tuple[list[float], list[float]]:
+    """``steps`` MSE steps of ``engine`` and of the one-process ``ref`` on the same random global batches
+    (generator seed 0; ``x`` of ``shape_in``, ``y`` of ``shape_out``); ``after_step(x, y)`` runs after each
+    engine step. Returns ``(losses, ref_losses)``."""
+    g = torch.Generator().manual_seed(0)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        x, y = torch.randn(*shape_in, generator=g), torch.randn(*shape_out, generator=g)
+        losses.append(engine.step((x, y))["loss"])
+        if after_step is not None:
+            after_step(x, y)
+        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
+    return losses, ref_losses

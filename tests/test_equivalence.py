@@ -16,7 +16,15 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import RecordingAdamW, RecordingSGD, SkipLM, TinyLM, lm_batches, lm_loss, reference_step
+from tests.models import (
+    RecordingAdamW,
+    RecordingSGD,
+    SkipLM,
+    TinyLM,
+    lm_batches,
+    lm_loss,
+    mse_side_by_side,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -163,12 +171,7 @@ def _strided(rank, world):
     ref = copy.deepcopy(model)
     engine = wh.parallelize(model, torch.nn.functional.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(0)
-    losses, ref_losses = [], []
-    for _ in range(3):
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-        losses.append(engine.step((x, y))["loss"])
-        ref_losses.append(reference_step(ref_opt, torch.nn.functional.mse_loss(ref(x), y)))
+    losses, ref_losses = mse_side_by_side(engine, ref, ref_opt, 3, (8, 8), (8, 8))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
     return losses
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import Block, TinyLM, lm_batches, lm_loss, reference_step
+from tests.models import Block, TinyLM, lm_batches, lm_loss, mse_side_by_side, reference_step
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -233,13 +233,8 @@ def _user_eval_mode(rank, world):
     ref = copy.deepcopy(model)
     engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(0)
-    losses, ref_losses = [], []
-    for _ in range(3):
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        losses.append(engine.step((x, y))["loss"])
-        engine.eval_step((x, y))
-        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
+    losses, ref_losses = mse_side_by_side(engine, ref, ref_opt, 3, (8, 4), (8, 2),
+                                          after_step=lambda x, y: engine.eval_step((x, y)))
     _assert_same(engine, ref, losses, ref_losses)
     return model[1].training, model[0].training
 
@@ -336,12 +331,7 @@ def _eval_before_parallelize(rank, world):
     ref = copy.deepcopy(model)
     engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(0)
-    losses, ref_losses = [], []
-    for _ in range(2):
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-        losses.append(engine.step((x, y))["loss"])
-        ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
+    losses, ref_losses = mse_side_by_side(engine, ref, ref_opt, 2, (8, 8), (8, 8))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
     return losses
 
