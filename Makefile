@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train train-hf test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ data/shakespeare/.ready: $(STAMP) examples/gpt/data.py
 
 train: $(STAMP) data/shakespeare/.ready
 	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/gpt/train.py $(TRAIN_ARGS)
+
+train-hf: $(STAMP) data/shakespeare/.ready
+	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/hf/train.py $(TRAIN_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -42,6 +42,10 @@ class Config:
             Whole samples are apportioned by largest remainder, so ``(5, 3)`` on a batch of 8 gives 5 and 3 rows.
         bucket_cap_mb: gradient all-reduce bucket size, MiB (1 MiB = 2**20 bytes).
         backend: torch.distributed backend; ``None`` picks ``nccl`` when CUDA is available, else ``gloo``.
+        capture: how a pipelined model's graph is captured for the stage cut: ``"export"``
+            (``torch.export``, non-strict: Hugging Face models and most Python; needs a sample batch),
+            ``"fx"`` (``torch.fx.symbolic_trace``: no sample needed) or ``"auto"`` (export when a sample
+            batch is given, else fx).
     """
 
     num_micro_batch: int = 1
@@ -54,6 +58,7 @@ class Config:
     load_shares: tuple[float, ...] | None = None
     bucket_cap_mb: float = 25.0
     backend: str | None = None
+    capture: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -65,6 +70,8 @@ class Config:
             )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        if self.capture not in ("auto", "export", "fx"):
+            raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (MiB per all-reduce bucket)")
         if self.load_shares is not None:

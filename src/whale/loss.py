@@ -43,6 +43,7 @@ class SumOverCount:
 
 
 def _ce_sum(output, target: torch.Tensor, ignore_index: int, label_smoothing: float) -> torch.Tensor:
+    output = getattr(output, "logits", output)  # a Hugging Face ModelOutput
     if isinstance(output, torch.Tensor):
         return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1),
                                ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum")
@@ -58,7 +59,8 @@ def _count_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 def token_cross_entropy(ignore_index: int = -100, label_smoothing: float = 0.0) -> SumOverCount:
     """Cross-entropy averaged over the valid targets (``!= ignore_index``) of the global batch: a language
-    model's token-mean loss. ``output`` is ``[..., C]`` logits (or class-sharded logits of a split head),
+    model's token-mean loss. ``output`` is ``[..., C]`` logits (or class-sharded logits of a split head, or an
+    object with a ``.logits`` attribute such as a Hugging Face ``CausalLMOutput``),
     ``target`` the matching ``[...]`` class ids; computed in fp32.
 
     One process equivalent: ``F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=...)``

@@ -1,4 +1,5 @@
-"""The model's ``torch.fx`` graph and the mechanics of cutting it into stage modules.
+"""The model's ``torch.fx`` graph and the mechanics of cutting it into stage modules (the graph comes from
+:func:`trace` here, or from ``torch.export`` in :mod:`whale.frontend.export` when a sample batch is given).
 
 Both sides use this module: the front end traces the model to decide the stage cut
 (:mod:`whale.frontend.stagecut`) and records it by node name in the plan; the runtime traces the same model
@@ -81,7 +82,8 @@ def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.Graph
             f"pipelining needs a model that torch.fx.symbolic_trace can trace, and tracing "
             f"{type(model).__name__} failed: {type(exc).__name__}: {exc}. Common fixes: use x.size(1) instead "
             "of unpacking x.shape, x.unflatten/flatten instead of view(*shape), no Python if/for on tensor "
-            "values in forward. Or use a single TaskGraph (no pipeline)."
+            "values in forward. Or pass a sample batch (wh.parallelize(..., sample_batch=(inputs, target))) so "
+            "Whale captures the model with torch.export instead, or use a single TaskGraph (no pipeline)."
         ) from exc
     finally:
         for m, flag in modes:
@@ -221,7 +223,7 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
 
 
-def _boundaries(gm: fx.GraphModule, stages: dict[fx.Node, int], num_stages: int) -> list[list[fx.Node]]:
+def boundaries(gm: fx.GraphModule, stages: dict[fx.Node, int], num_stages: int) -> list[list[fx.Node]]:
     """``bounds[s]``: values crossing the boundary between stage s and s+1, in graph order."""
     def stage(n: fx.Node) -> int:
         """Placeholders enter at stage 0, the output leaves from the last stage."""
@@ -268,7 +270,7 @@ def stage_module(gm: fx.GraphModule, stages: dict[fx.Node, int], num_stages: int
     ``module(*inputs)`` returns a tuple of boundary values, in graph order; the last stage returns the model's
     output unchanged. Stage 0 takes the model's forward arguments.
     """
-    bounds = _boundaries(gm, stages, num_stages)
+    bounds = boundaries(gm, stages, num_stages)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"] if s == 0 else bounds[s - 1]
     outputs = None if s == num_stages - 1 else bounds[s]
     return fx.GraphModule(gm, _stage_graph(gm, stages, s, inputs, outputs), class_name=f"Stage{s}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from whale.cluster import ClusterSpec, memory_capacity
@@ -30,10 +31,14 @@ class UnitCut:
 
 
 def sample_rows(sample_batch) -> int:
-    """Global batch size of a sample batch ``(inputs, target)``."""
+    """Global batch size of a sample batch ``(inputs, target)`` (the target's rows; inputs may be a dict of
+    keyword arguments with non-tensor values)."""
+    target = sample_batch[1]
+    if isinstance(target, torch.Tensor):
+        return int(target.size(0))
     inputs = sample_batch[0]
-    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
-    return int(first.size(0))
+    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple | list) else [inputs]
+    return int(next(v for v in values if isinstance(v, torch.Tensor)).size(0))
 
 
 def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
@@ -43,9 +48,12 @@ def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
     def make(b: int):
         # clone: a slice keeps the whole batch's storage, which the profiler would count as activations
         """The sample inputs cut to ``b`` rows."""
+        cut = lambda t: t[:b].clone() if isinstance(t, torch.Tensor) and t.dim() else t  # noqa: E731
+        if isinstance(inputs, dict):
+            return {k: cut(v) for k, v in inputs.items()}
         if isinstance(inputs, tuple | list):
-            return tuple(t[:b].clone() for t in inputs)
-        return inputs[:b].clone()
+            return tuple(cut(t) for t in inputs)
+        return cut(inputs)
 
     return profile_model(model, make, batch_size=max(1, min(rows, sample_rows(sample_batch))))
 

@@ -19,6 +19,8 @@ from torch import nn
 from whale.cluster import ClusterSpec, detect_cluster
 from whale.config import Config
 from whale.frontend import hwplan
+from whale.frontend.export import capture_inputs
+from whale.frontend.graph import StageError
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.plan.hardware import apply_hardware, is_heterogeneous
@@ -59,7 +61,8 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         world_size: number of ranks.
         config: micro-batches, schedule, load shares, hardware awareness; ``config.cluster`` (a spec or YAML
             path) is used when ``cluster`` is not given.
-        sample_batch: a global batch ``(inputs, target)``: lets the planner profile the model on fake tensors
+        sample_batch: a global batch ``(inputs, target)``: a pipeline is captured from it with
+            ``torch.export`` (``config.capture``), and it lets the planner profile the model on fake tensors
             for memory-constrained shares and, on a mixed cluster, speed-balanced pipeline cuts (the
             annotations then fix only the stage count).
         cluster: an already resolved spec (``whale.init`` resolves it once per job).
@@ -68,7 +71,7 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         ValueError: the model has no parameters.
         PlanError: device counts do not fit the world size, and other plan errors.
         InfeasiblePlanError: the work cannot fit the devices' memory (names the device and the bytes).
-        StageError: the model cannot be cut into pipeline stages.
+        StageError: the model cannot be captured or cut into pipeline stages (naming the error and fixes).
         SplitError: a module under ``split`` has no sharding rule, or its sharded dim is smaller than the
             split's device count (naming the module, the dim and the fix).
         ClusterError: a bad cluster spec.
@@ -88,7 +91,7 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         layout = make_plan(kinds, world_size, config)
         speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
         stage_of, units = speed_cut.stage_of, speed_cut.units
-    plan = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units)
+    plan = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units, sample_batch)
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
@@ -104,13 +107,30 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
     return apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
 
 
-def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units) -> Plan:
+def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,
+                  sample_batch=None) -> Plan:
     """Cut the model into stages (pipelines) or TaskGraph name sets (one stage) and call the planner."""
     if not pipelined:
         name_sets = colocated_names(model, tg_scopes, scopes)
         return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config)
     leaves = split_leaves(model, scopes)
-    cut = cut_model(model, stage_of, len(tg_scopes), leaves, units)
+    spec = _capture_spec(config, sample_batch)
+    cut = cut_model(model, stage_of, len(tg_scopes), leaves, units, spec)
     name_sets = [set(all_tensors(m)) for m in cut.modules]
-    return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
+    plan = make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
                      stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)
+    return dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
+
+
+def _capture_spec(config, sample_batch) -> tuple:
+    """Example inputs to capture the model with ``torch.export`` (empty: ``torch.fx``), per ``config.capture``.
+
+    Raises:
+        StageError: ``capture="export"`` without a sample batch.
+    """
+    if config.capture == "fx" or (config.capture == "auto" and sample_batch is None):
+        return ()
+    if sample_batch is None:
+        raise StageError("Config(capture='export') needs example inputs: pass sample_batch=(inputs, target) to "
+                         "wh.parallelize / wh.plan_model (or use capture='fx')")
+    return capture_inputs(sample_batch[0])

@@ -230,8 +230,9 @@ def _state_bytes(model: nn.Module, units: dict[str, nn.Module], opt_factor: floa
 
 
 def _make_inputs(inputs: Callable[[int], Any] | Sequence[InputSpec], batch_size: int, device: str,
-                 fake_mode: Any) -> tuple:
-    """Positional inputs as fake (or meta) tensors; real tensors the callable returns are converted (no copy)."""
+                 fake_mode: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` as fake (or meta) tensors; real tensors the callable returns are converted (no copy).
+    A callable may return a tensor, a tuple of positional inputs or a dict of keyword inputs."""
     if callable(inputs):
         args = inputs(batch_size)
     else:
@@ -243,7 +244,9 @@ def _make_inputs(inputs: Callable[[int], Any] | Sequence[InputSpec], batch_size:
             return x
         return fake_mode.from_tensor(x) if fake_mode is not None else x.to("meta")
 
-    return tree_map(convert, args if isinstance(args, tuple) else (args,))
+    if isinstance(args, dict):
+        return (), tree_map(convert, args)
+    return tree_map(convert, args if isinstance(args, tuple) else (args,)), {}
 
 
 class _Recorder:
@@ -255,6 +258,7 @@ class _Recorder:
         self.seen = {t.untyped_storage()._cdata for t in static}
         self.act = dict.fromkeys([*units, "<rest>"], 0)
         self.out = dict.fromkeys([*units, "<rest>"], 0)
+        self.order: dict[str, None] = {}  # units in the order forward first calls them
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """Saved-tensor hook: count the bytes autograd keeps for backward."""
@@ -270,6 +274,7 @@ class _Recorder:
             def pre(_m, _a, name=name) -> None:
                 """Forward pre-hook: enter the unit."""
                 self.stack.append(name)
+                self.order.setdefault(name)
 
             def post(_m, _a, out, name=name) -> None:
                 """Forward hook: leave the unit."""
@@ -290,13 +295,13 @@ def _run(model, units, params, inputs, batch_size, device, loss_fn, fake_mode):
         stack.enter_context(torch.device(device))
         fakes = {k: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).requires_grad_(t.requires_grad)
                  for k, t in params.items()}
-        args = _make_inputs(inputs, batch_size, device, fake_mode)
+        args, kwargs = _make_inputs(inputs, batch_size, device, fake_mode)
         rec = _Recorder(units, list(fakes.values()))
         counter = stack.enter_context(flop_counter_mode())
         with ExitStack() as fwd:
             rec.hooks(fwd)
-            out = torch.func.functional_call(model, fakes, args, tie_weights=True)
-            loss = loss_fn(out, *args) if loss_fn is not None else sum(
+            out = torch.func.functional_call(model, fakes, args, kwargs, tie_weights=True)
+            loss = loss_fn(out, *args, *kwargs.values()) if loss_fn is not None else sum(
                 x.float().sum() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.requires_grad)
         forward_counts = counter.get_flop_counts()
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -360,6 +365,9 @@ def profile_model(model: nn.Module, inputs: Callable[[int], Any] | Sequence[Inpu
         return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name],
                            rec.act[name] / batch_size, rec.out[name] / batch_size)
 
-    units_out = tuple(unit(u, f"{root}.{u}" if u else "Global") for u in unit_mods)
+    # in the order forward calls them (a rotary embedding registered last but called first comes first), so
+    # contiguous runs of units are what a pipeline stage can run
+    order = [u for u in rec.order if u in unit_mods] + [u for u in unit_mods if u not in rec.order]
+    units_out = tuple(unit(u, f"{root}.{u}" if u else "Global") for u in order)
     rest = unit("<rest>", None) if "" not in unit_mods else UnitProfile("<rest>", 0, 0, 0, 0, 0, 0, 0, 0)
     return ModelProfile(units_out, rest, batch_size, device)

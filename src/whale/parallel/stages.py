@@ -1,6 +1,7 @@
 """This rank's pipeline stage, rebuilt from the plan's stage cut (which graph nodes the stage runs, by name).
 
-The model is traced again (with the plan's ``leaf_modules`` as single calls) and cut exactly where the plan
+The model is captured again (``torch.export`` from the plan's example inputs, or ``torch.fx``; with the plan's
+``leaf_modules`` as single calls) and cut exactly where the plan
 says; nothing is re-decided. Every rank checks the WHOLE cut against the model before any process group is
 made (it holds the whole model), so a mismatch stops every rank with the same error instead of leaving some
 waiting in a collective: the traced graph's nodes, each stage's parameters and buffers, the parameters tied
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from whale.frontend.graph import StageError, compute_nodes, stage_module, tensor_names, trace
+from whale.frontend.graph import StageError, compute_nodes, tensor_names
+from whale.frontend.stagecut import capture, stage_modules
 from whale.plan.plan import Plan
 
 _REPLAN = "the plan was made for another model (or another version of its code): re-plan it"
@@ -80,9 +82,9 @@ def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
     if not plan.stage_cuts:
         raise StageError(f"the plan has {plan.num_stages} pipeline stages but no stage cut; make it with "
                          "whale.plan_model (or `whale plan --out`), which records the cut")
-    gm = trace(model, plan.leaf_modules)
-    stages = _check_nodes(model, gm, plan)
-    modules = [stage_module(gm, stages, plan.num_stages, s) for s in range(plan.num_stages)]
+    cap = capture(model, plan.leaf_modules, plan.capture_inputs if plan.capture == "export" else ())
+    stages = _check_nodes(model, cap.train, plan)
+    modules = stage_modules(model, cap, stages, plan.num_stages)
     _check_tensors(model, modules, plan)
     _check_size(model, plan)
     return modules[stage]

@@ -36,6 +36,8 @@ from whale.plan.schedule import SCHEDULES, ScheduleName
 
 Kind = Literal["replicate", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
+CaptureName = Literal["fx", "export"]
+CAPTURES: tuple[str, ...] = get_args(CaptureName)
 
 
 class _Checked:
@@ -127,6 +129,24 @@ class StageCut(_Checked):
 
 
 @dataclass(frozen=True)
+class CaptureInput(_Checked):
+    """One forward argument of the example the model was captured with by ``torch.export`` (every rank
+    re-captures from these; values do not matter, export traces shapes and dtypes).
+
+    Attributes:
+        name: keyword name, or ``"#i"`` for the i-th positional argument.
+        dtype: torch dtype name (``"int64"``) of a tensor; empty for a constant.
+        shape: the tensor's shape (dim 0 = batch rows, captured as dynamic); empty for a constant.
+        constant: a non-tensor value as JSON text (``"false"``); empty for a tensor.
+    """
+
+    name: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    constant: str = ""
+
+
+@dataclass(frozen=True)
 class Plan(_Checked):
     """TaskGraphs x VirtualDevices x per-lane loads x schedule x stage cut x shared parameters.
 
@@ -150,6 +170,9 @@ class Plan(_Checked):
             rank's (1.0 = the bottleneck; empty when not hardware-aware).
         stage_flops: training FLOPs per sample of each stage, when the model was profiled.
         notes: free-form lines shown in the printout (e.g. "emulated cluster").
+        capture: how the stage cut's graph was captured: ``"fx"`` (``torch.fx.symbolic_trace``) or
+            ``"export"`` (``torch.export``, non-strict, from ``capture_inputs``).
+        capture_inputs: the example forward arguments of an ``"export"`` capture.
     """
 
     world_size: int
@@ -167,6 +190,8 @@ class Plan(_Checked):
     predicted_utilization: tuple[float, ...] = ()
     stage_flops: tuple[float, ...] = ()
     notes: tuple[str, ...] = ()
+    capture: CaptureName = "fx"
+    capture_inputs: tuple[CaptureInput, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -381,11 +406,13 @@ _FIELDS: dict[type, dict[str, Check]] = {
                 "num_params": _int(0), "nested": _seq(_node(NestedScope), "NestedScope objects"),
                 "shard_weights": _POS},
     SharedParam: {"names": _seq(_STR, "names", least=1), "stages": _seq(_int(0), "stages", least=2)},
+    CaptureInput: {"name": _STR, "dtype": _STR, "shape": _seq(_int(0), "sizes"), "constant": _STR},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
            "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
-           "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS},
+           "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
+           "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects")},
 }

@@ -26,7 +26,8 @@ def parallelize(
     Args:
         model: the local ``nn.Module``, built identically on every rank, with ``replicate``/``split`` scopes
             (or none: the default strategy over all devices). Several top-level TaskGraphs become pipeline
-            stages (the model must then be traceable by ``torch.fx.symbolic_trace``).
+            stages, cut from the model's graph: captured with ``torch.export`` when ``sample_batch`` is given
+            (Hugging Face models as they are), else with ``torch.fx.symbolic_trace`` (``Config.capture``).
         loss_fn: ``loss_fn(output, target) -> scalar``, the MEAN over the samples of the batch it is given
             (like ``F.cross_entropy`` with default reduction; samples weigh equally), or a
             :class:`whale.SumOverCount` such as ``wh.token_cross_entropy()`` (a sum over terms normalised by
@@ -35,9 +36,11 @@ def parallelize(
             re-points its groups at this rank's parameters, so LR schedulers attached to it drive training),
             or a callable ``params -> Optimizer``.
         ctx: from :func:`whale.init`; defaults to the latest one.
-        sample_batch: a global batch ``(inputs, target)`` like those given to ``step``: lets the planner
-            profile the model (fake tensors, no compute) for memory-constrained shares and, on a mixed
-            cluster, speed-balanced pipeline cuts. Ignored with ``plan``.
+        sample_batch: a global batch ``(inputs, target)`` like those given to ``step`` (inputs: a tensor, a
+            tuple, or a dict of keyword arguments): the example a pipeline is captured from with
+            ``torch.export`` (shapes and dtypes only), and lets the planner profile the model (fake tensors, no
+            compute) for memory-constrained shares and, on a mixed cluster, speed-balanced pipeline cuts.
+            Ignored with ``plan``.
         plan: run this plan (e.g. ``Plan.from_json(open("plan.json").read())`` written by ``whale plan --out``)
             instead of planning here; nothing is re-planned.
 
