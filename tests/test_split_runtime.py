@@ -64,7 +64,8 @@ def _compare(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0))
     model, loss_fn, ref_loss_fn = _build(spec, ctx)
     ref = copy.deepcopy(model)
-    plan = _with_shard_weights(wh.plan_model(model, world, ctx.config), spec.get("shard_weights"))
+    sample = _batches(spec, 1)[0] if spec.get("export") else None  # captured with torch.export, not fx
+    plan = _with_shard_weights(wh.plan_model(model, world, ctx.config, sample_batch=sample), spec.get("shard_weights"))
     engine = wh.parallelize(model, loss_fn, lambda ps: RecordingAdamW(ps, lr=1e-3), ctx=ctx, plan=plan)
     ref_opt = RecordingAdamW(ref.parameters(), lr=1e-3)
     losses, ref_losses = [], []
@@ -148,10 +149,12 @@ def test_split_with_nested_data_parallelism():
     assert plan.num_replicas == 2 and plan.stage_width == 2
 
 
-def test_split_inside_a_pipeline_stage():
-    results = run_ranks(_compare, 4, {"model": "pipe", "batch": 8, "mb": 2, "shares": (3, 1)})
+@pytest.mark.parametrize("export", [False, True])
+def test_split_inside_a_pipeline_stage(export):
+    results = run_ranks(_compare, 4, {"model": "pipe", "batch": 8, "mb": 2, "shares": (3, 1), "export": export})
     plan = wh.Plan.from_json(results[0]["plan"])
     assert plan.num_stages == 2 and not plan.colocated
+    assert plan.capture == ("export" if export else "fx")
     assert [r["regions"] for r in results] == [0, 0, 1, 1]
 
 

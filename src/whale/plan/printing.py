@@ -73,6 +73,10 @@ def format_plan(plan: Plan) -> str:
         wsum = sum(plan.lane_weights)
         lines.append("batch share per data-parallel lane: "
                      + "  ".join(f"lane {i}: {w / wsum:.1%}" for i, w in enumerate(plan.lane_weights)))
+    if plan.stage_cuts:
+        how = "torch.export (non-strict), from the sample batch's shapes" if plan.capture == "export" else \
+            "torch.fx.symbolic_trace"
+        lines.append(f"graph captured with {how}")
     for s, cut in enumerate(plan.stage_cuts):
         sizes = f"{len(cut.nodes)} graph nodes, {len(cut.params)} parameters, {len(cut.buffers)} buffers"
         if cut.units:
