@@ -179,3 +179,27 @@ def test_clear_errors_for_layouts_that_cannot_work():
         Plan(world_size=3, task_graphs=split, num_replicas=1)
     with pytest.raises(PlanError, match="stage widths are"):
         _plan((2, 1)).num_lanes
+
+
+def test_hardware_aware_plan_balances_each_stage_by_its_own_devices():
+    from whale.cluster import ClusterSpec
+
+    spec = ClusterSpec.from_dict({"nodes": [{"devices": ["V100-32GB", "P100-16GB"]}, {"devices": ["T4"]}]})
+    sample = _padded(1, 12, seed=1)[0]
+    plan = wh.plan_model(WidthLM((2, 1)), 3, wh.Config(num_micro_batch=2), sample_batch=sample, cluster=spec)
+    assert plan.stage_widths == (2, 1) and plan.devices and len(plan.predicted_utilization) == 3
+    front = plan.stage_lane_weights[0]
+    fast = [plan.coords(r)[1] for r in range(3) if plan.devices[r].startswith("V100")][0]
+    assert front[fast] > front[1 - fast]  # the V100 lane takes more of each micro-batch than the P100 lane
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "stage 0 lane" in str(plan)
+
+
+def test_measured_rebalance_gives_each_stage_its_own_shares():
+    from whale.plan.hardware import rebalance
+
+    plan = _plan((1, 2), num_micro_batch=2)
+    out = rebalance(plan, [[0.5], [1.0, 0.25]])
+    assert out.stage_lane_weights == ((2.0,), (1.0, 4.0)) and out.lane_weights == ()
+    with pytest.raises(PlanError, match="rebalance needs 2 lists"):
+        rebalance(plan, [0.5, 1.0, 0.25])

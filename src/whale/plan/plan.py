@@ -140,8 +140,6 @@ class Plan(_Checked, PlanLayout):
         schedule: ``"1F1B"`` or ``"GPipe"``.
         lane_weights: relative batch load of each lane (len = K * n) when every stage has the same width n;
             batch rows are apportioned exactly. Empty when the stages have different widths.
-        stage_lane_weights: stages of different widths only (empty otherwise): per stage, the relative batch
-            load of each of its ``K * n_s`` lanes.
         shared_params: parameters held by several stages (tied weights).
         stage_cuts: per pipeline stage, the graph nodes, parameters and buffers it owns (empty = no cut:
             one stage runs the whole model).
@@ -155,6 +153,8 @@ class Plan(_Checked, PlanLayout):
             rank's (1.0 = the bottleneck; empty when not hardware-aware).
         stage_flops: training FLOPs per sample of each stage, when the model was profiled.
         notes: free-form lines shown in the printout (e.g. "emulated cluster").
+        stage_lane_weights: stages of different widths only (empty otherwise): per stage, the relative batch
+            load of each of its ``K * n_s`` lanes.
     """
 
     world_size: int
@@ -163,7 +163,6 @@ class Plan(_Checked, PlanLayout):
     num_micro_batch: int = 1
     schedule: ScheduleName = "1F1B"
     lane_weights: tuple[float, ...] = ()
-    stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     shared_params: tuple[SharedParam, ...] = ()
     stage_cuts: tuple[StageCut, ...] = ()
     leaf_modules: tuple[str, ...] = ()
@@ -173,6 +172,7 @@ class Plan(_Checked, PlanLayout):
     predicted_utilization: tuple[float, ...] = ()
     stage_flops: tuple[float, ...] = ()
     notes: tuple[str, ...] = ()
+    stage_lane_weights: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -291,7 +291,7 @@ class Engine:
         Returns:
             The new plan (also ``self.plan``).
         """
-        self.plan = self.history.rebalance(self.plan, self.lane, self.world_size)
+        self.plan = self.history.rebalance(self.plan, self.lane, self.world_size, self.stage)
         return self.plan
 
     def stage_stats(self) -> list[dict]:
