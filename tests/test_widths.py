@@ -16,36 +16,17 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import Block, lm_batches
+from tests.models import TinyLM, lm_batches
 from whale.plan.layout import Peer
 from whale.plan.plan import Plan, PlanError, TaskGraph
 
 RTOL, ATOL = 1e-5, 1e-6
 
 
-class WidthLM(nn.Module):
-    """Token LM [B, T] -> logits [B, T, V] in one pipeline stage per entry of ``widths``, stage s annotated
-    ``replicate(widths[s])``; the embedding's weight is tied to the head (held by the first and last stage)."""
-
-    def __init__(self, widths=(2, 1), vocab=32, d=16, seq=8, tied=True) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
-        blocks = []
-        for n in widths:
-            with wh.replicate(n):
-                blocks.append(Block(d))
-        self.blocks = nn.ModuleList(blocks)
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.head.weight = self.emb.weight
-
-    def forward(self, idx):
-        x = self.emb(idx) + self.pos[: idx.size(1)]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
+def WidthLM(widths=(2, 1)) -> TinyLM:  # noqa: N802 - reads as the model class it builds
+    """Token LM with one block per pipeline stage, stage s annotated ``replicate(widths[s])``; the embedding is
+    tied to the head (held by the first and the last stage)."""
+    return TinyLM(stage_layers=(1,) * len(widths), stage_widths=widths)
 
 
 def _groups(model: nn.Module) -> list[dict]:
@@ -158,6 +139,8 @@ def test_plan_model_gives_each_stage_its_lanes():
     ({"world_size": 4}, r"2\+1 = 3 devices != world size 4"),
     ({"stage_lane_weights": ((1.0,), (1.0,))}, r"stage_lane_weights\[0\] = \[1.0\] must hold 2 positive"),
     ({"lane_weights": (1.0, 1.0)}, r"lane_weights = \[1.0, 1.0\] is for stages of one width"),
+    ({"stage_lane_weights": ((1.0, 0.0), (1.0,))}, r"stage_lane_weights\[0\]\[1\] = 0.0 must be a finite number > 0"),
+    ({"stage_lane_weights": ((1.0, 1.0),)}, r"must hold one list per stage \(2\)"),
 ])
 def test_inconsistent_plans_are_refused(kw, match):
     base = {"world_size": 3, "task_graphs": (TaskGraph(0, "replicate", 2), TaskGraph(1, "replicate", 1)),
@@ -178,7 +161,7 @@ def test_clear_errors_for_layouts_that_cannot_work():
     with pytest.raises(PlanError, match=r"task_graphs\[1\] \(split\(1\).*different device counts \[2, 1\]"):
         Plan(world_size=3, task_graphs=split, num_replicas=1)
     with pytest.raises(PlanError, match="stage widths are"):
-        _plan((2, 1)).num_lanes
+        _ = _plan((2, 1)).num_lanes
 
 
 def test_hardware_aware_plan_balances_each_stage_by_its_own_devices():

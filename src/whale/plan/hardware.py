@@ -205,8 +205,9 @@ def rebalance(plan: Plan, seconds_per_row: list) -> Plan:
     """
     per_stage = [list(seconds_per_row)] * plan.num_stages if plan.uniform_width else list(seconds_per_row)
     want = [plan.lanes_of(s) for s in range(plan.num_stages)]
-    if len(per_stage) != plan.num_stages or any(not isinstance(row, list | tuple) or len(row) != n or any(not t > 0 for t in row)
-                                                for row, n in zip(per_stage, want, strict=True)):
+    if len(per_stage) != plan.num_stages or any(
+            not isinstance(row, list | tuple) or len(row) != n or any(not t > 0 for t in row)
+            for row, n in zip(per_stage, want, strict=True)):
         wanted = want[0] if plan.uniform_width else f"{plan.num_stages} lists of {want}"
         raise PlanError(f"rebalance needs {wanted} positive seconds-per-row measurements, got {seconds_per_row}")
     weights = [tuple(1.0 / t for t in row) for row in per_stage]

@@ -31,8 +31,8 @@ class CheckpointError(RuntimeError):
 @dataclass(frozen=True)
 class Restored:
     """What :func:`load` brings back besides tensors: the ``step`` count, the user's ``extra`` and the
-    ``lane_weights`` (``stage_lane_weights`` for stages of different widths) the checkpoint ran with (a speed setting, not a layout: a re-balanced run resumes with
-    them)."""
+    ``lane_weights`` (``stage_lane_weights`` for stages of different widths) the checkpoint ran with (a speed
+    setting, not a layout: a re-balanced run resumes with them)."""
 
     step: int
     extra: dict

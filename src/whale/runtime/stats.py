@@ -64,12 +64,15 @@ class StepHistory:
             PlanError: some lane has no measurement yet.
         """
         every = _gather((stage, lane, self.seconds_per_row()), world_size)
+        self.steps.clear()
+        if plan.uniform_width:  # a lane counts its slowest stage
+            per_lane = [0.0] * plan.num_lanes
+            for _, other, t in every:
+                per_lane[other] = max(per_lane[other], t)
+            return hardware.rebalance(plan, per_lane)
         per_stage = [[0.0] * plan.lanes_of(s) for s in range(plan.num_stages)]
         for st, other, t in every:
             per_stage[st][other] = t
-        self.steps.clear()
-        if plan.uniform_width:
-            return hardware.rebalance(plan, [max(times) for times in zip(*per_stage, strict=True)])
         return hardware.rebalance(plan, per_stage)
 
     def stage_stats(self, plan: Plan, stage: int, world_size: int) -> list[dict]:
