@@ -49,7 +49,7 @@ def _padded(steps: int, batch: int, seed: int):
 
 def _train(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=spec["mb"], schedule=spec.get("schedule", "1F1B"),
-                            load_shares=spec.get("shares"), seed=0))
+                            load_shares=spec.get("shares"), seed=0, rebalance_after=spec.get("rebalance")))
     model = WidthLM(spec["widths"])
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.AdamW(_groups(model), lr=1e-3), torch.optim.AdamW(_groups(ref), lr=1e-3)
@@ -100,9 +100,13 @@ def test_one_wide_stage_then_two_wide_stage_with_uneven_shares():
     assert [b - a for lane in plan.micro_batch_rows(8, 1) for a, b in lane[:1]] == [3, 1]
 
 
-def test_three_stages_two_one_two_with_nested_replicas():
-    # world 10 = 2 replicas x (2 + 1 + 2): each stage's lanes span both replicas
-    _check(10, {"widths": (2, 1, 2), "batch": 8, "mb": 2, "steps": 3})
+def test_three_stages_two_one_two_with_nested_replicas_rebalanced_after_two_steps():
+    # world 10 = 2 replicas x (2 + 1 + 2): each stage's lanes span both replicas; after step 2 each stage's
+    # lanes take shares from their measured speed (whole rows of 4-row micro-batches), training unchanged
+    results = _check(10, {"widths": (2, 1, 2), "batch": 8, "mb": 2, "steps": 4, "rebalance": 2})
+    plan = Plan.from_json(results[0]["plan"])
+    assert "lane shares re-balanced from measured step times" in plan.notes
+    assert [len(w) for w in plan.stage_lane_weights] == [4, 2, 4] and plan.lane_weights == ()
 
 
 # --- plan data ------------------------------------------------------------------------------------------------
@@ -186,3 +190,28 @@ def test_measured_rebalance_gives_each_stage_its_own_shares():
     assert out.stage_lane_weights == ((2.0,), (1.0, 4.0)) and out.lane_weights == ()
     with pytest.raises(PlanError, match="rebalance needs 2 lists"):
         rebalance(plan, [0.5, 1.0, 0.25])
+
+
+def _checkpoint(rank, world, path):
+    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, load_shares=(3, 1, 1)))
+    model = WidthLM((2, 1))
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, wh.token_cross_entropy(), torch.optim.AdamW(_groups(model), lr=1e-3), ctx=ctx)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-3)
+    for x, y in _padded(2, 8, seed=4):
+        engine.step((x, y))
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+        ref_opt.step()
+    engine.save_checkpoint(path)
+    extra = engine.load_checkpoint(path)
+    full = torch.load(f"{path}/model.pt", weights_only=True) if rank == 0 else {}
+    for name, t in full.items():
+        torch.testing.assert_close(t, ref.state_dict()[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    return sorted(full), extra, engine.plan.stage_lane_weights
+
+
+def test_checkpoint_of_stages_of_different_widths_holds_the_whole_model(tmp_path):
+    results = run_ranks(_checkpoint, 3, str(tmp_path / "ckpt"), timeout=120.0)
+    assert results[0][0] == sorted(WidthLM((2, 1)).state_dict())
+    assert all(r[2] == ((3.0, 1.0), (1.0,)) for r in results)

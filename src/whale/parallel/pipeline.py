@@ -173,11 +173,9 @@ class StageExecutor:
     def _forward(self, mb: int, work: MicroBatches, grad: bool, state: _InFlight, result: StepResult) -> None:
         links = self.links
         pieces = [] if links.is_first else self._receive(mb, work, state)
-        given = work.inputs[mb] if links.is_first else join(pieces) if len(pieces) == 1 else None
         start = self._clock()
         with torch.set_grad_enabled(grad):
-            if given is None:
-                given = join(pieces)  # the bridge's concatenation is part of the stage's graph
+            given = work.inputs[mb] if links.is_first else join(pieces)  # pieces joined in the stage's graph
             inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
             out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
             if links.is_last:

@@ -58,6 +58,11 @@ class PlanLayout:
         """Data-parallel lanes of ``stage``: ``K * n_s``."""
         return self.num_replicas * self.width_of(stage)
 
+    @property
+    def max_lanes(self) -> int:
+        """Lanes of the widest stage (``num_lanes`` when the widths are uniform)."""
+        return max(self.lanes_of(s) for s in range(self.num_stages))
+
     def weights_of(self, stage: int) -> tuple[float, ...]:
         """Relative batch load of each lane of ``stage`` (``lane_weights`` when the widths are uniform)."""
         return self.lane_weights if self.uniform_width else self.stage_lane_weights[stage]
@@ -140,7 +145,7 @@ class PlanLayout:
         from whale.plan.balance import proportional_shares  # balance imports PlanError from the plan
 
         m = self.num_micro_batch
-        lanes = max(self.lanes_of(s) for s in range(self.num_stages))
+        lanes = self.max_lanes
         smallest = m * lanes
         if global_batch % m:
             good = max(smallest, -(-global_batch // m) * m)

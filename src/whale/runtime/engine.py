@@ -80,7 +80,7 @@ class Engine:
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
-        if max(map(plan.lanes_of, range(plan.num_stages))) > 1:
+        if plan.max_lanes > 1:
             check_batchnorms(model)  # before any process group: a refused BatchNorm stops every rank alike
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
