@@ -16,7 +16,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import TinyLM, lm_batches
+from tests.models import TinyLM, lm_batches, mse_side_by_side
 from whale.plan.layout import Peer
 from whale.plan.plan import Plan, PlanError, TaskGraph
 
@@ -215,3 +215,47 @@ def test_checkpoint_of_stages_of_different_widths_holds_the_whole_model(tmp_path
     results = run_ranks(_checkpoint, 3, str(tmp_path / "ckpt"), timeout=120.0)
     assert results[0][0] == sorted(WidthLM((2, 1)).state_dict())
     assert all(r[2] == ((3.0, 1.0), (1.0,)) for r in results)
+
+
+class _NormedPipe(nn.Module):
+    """A 2-wide stage with a BatchNorm (statistics over both lanes' rows), then a 1-wide stage."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        with wh.replicate(2):
+            self.a, self.norm = nn.Linear(d, d), nn.BatchNorm1d(d)
+        with wh.replicate(1):
+            self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def _batchnorm(rank, world):
+    ctx = wh.init(wh.Config(num_micro_batch=1, seed=0, load_shares=(5, 3, 1)))
+    model = _NormedPipe()
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses, ref_losses = mse_side_by_side(engine, ref, ref_opt, 3, (8, 8), (8, 8))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    ref_state = ref.state_dict()
+    for name, t in engine.module.state_dict().items():
+        torch.testing.assert_close(t, ref_state[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    return losses
+
+
+def test_batchnorm_in_the_wide_stage_normalizes_over_its_lanes():
+    run_ranks(_batchnorm, 3, timeout=120.0)
+
+
+def test_a_value_that_is_not_per_sample_cannot_cross_a_bridge():
+    from whale.parallel.p2p import TransferError
+    from whale.parallel.rowbridge import join, slice_for
+
+    x, mask, n = torch.arange(12.0).reshape(6, 2), torch.ones(8), 7
+    assert slice_for((x, mask, n), Peer(1, 2, 5), 6, bridged=False)[1] is mask  # regular plans: values pass whole
+    with pytest.raises(TransferError, match=r"boundary value 1 has shape \(8,\).*one row per sample in dim 0"):
+        slice_for((x, mask, n), Peer(1, 2, 5), 6, bridged=True)
+    a, b = slice_for((x, n), Peer(1, 0, 2), 6, True), slice_for((x, n), Peer(1, 2, 6), 6, True)
+    assert torch.equal(join([a, b])[0], x) and join([a, b])[1] == n
