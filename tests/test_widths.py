@@ -131,6 +131,8 @@ def test_plan_printout_names_each_stage_width_and_its_shares():
     text = str(_plan((2, 1), stage_lane_weights=((3, 1), (1,))))
     assert "stages of different widths" in text and "2+1" in text
     assert "stage 0 lane 0: 75.0%" in text and "stage 1 lane 0: 100.0%" in text
+    assert "batch bridge stage 0 -> 1: 2 lane(s) -> 1 lane(s), rows gathered" in text
+    assert "rows scattered" in str(_plan((1, 2)))
 
 
 def test_plan_model_gives_each_stage_its_lanes():

@@ -116,7 +116,13 @@ def _lane_rows(plan: Plan) -> list[str]:
     for s in range(plan.num_stages):
         weights = plan.weights_of(s)
         shares += [f"stage {s} lane {i}: {w / sum(weights):.1%}" for i, w in enumerate(weights)]
-    return _wrapped("batch share per data-parallel lane, per stage (rows re-split between stages): ", shares)
+    rows = _wrapped("batch share per data-parallel lane, per stage (rows re-split between stages): ", shares)
+    for s in range(plan.num_stages - 1):
+        n, m = plan.lanes_of(s), plan.lanes_of(s + 1)
+        how = "gathered" if m < n else "scattered" if m > n else "re-split"
+        rows.append(f"batch bridge stage {s} -> {s + 1}: {n} lane(s) -> {m} lane(s), rows {how} (each lane sends "
+                    "each lane of the next stage the rows they share; gradients come back the same way)")
+    return rows
 
 
 def _shard_rows(plan: Plan) -> list[str]:
