@@ -100,13 +100,18 @@ def test_one_wide_stage_then_two_wide_stage_with_uneven_shares():
     assert [b - a for lane in plan.micro_batch_rows(8, 1) for a, b in lane[:1]] == [3, 1]
 
 
-def test_three_stages_two_one_two_with_nested_replicas_rebalanced_after_two_steps():
-    # world 10 = 2 replicas x (2 + 1 + 2): each stage's lanes span both replicas; after step 2 each stage's
-    # lanes take shares from their measured speed (whole rows of 4-row micro-batches), training unchanged
-    results = _check(10, {"widths": (2, 1, 2), "batch": 8, "mb": 2, "steps": 4, "rebalance": 2})
+def test_three_stages_two_one_two_with_nested_replicas():
+    # world 10 = 2 replicas x (2 + 1 + 2): each stage's lanes span both replicas
+    _check(10, {"widths": (2, 1, 2), "batch": 8, "mb": 2, "steps": 3})
+
+
+def test_measured_rebalance_after_two_steps_keeps_training_equal():
+    # after step 2 each stage's lanes take shares from their own measured speed (12-row micro-batches, so
+    # timing noise cannot leave a lane without rows), and steps 3-4 still equal one process
+    results = _check(3, {"widths": (2, 1), "batch": 24, "mb": 2, "steps": 4, "rebalance": 2})
     plan = Plan.from_json(results[0]["plan"])
     assert "lane shares re-balanced from measured step times" in plan.notes
-    assert [len(w) for w in plan.stage_lane_weights] == [4, 2, 4] and plan.lane_weights == ()
+    assert [len(w) for w in plan.stage_lane_weights] == [2, 1] and plan.lane_weights == ()
 
 
 # --- plan data ------------------------------------------------------------------------------------------------
