@@ -23,16 +23,17 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Token LM [B, T] -> logits [B, T, V]; ``stage_layers`` blocks per replicate(1) stage; tied head."""
+    """Token LM [B, T] -> logits [B, T, V]; ``stage_layers`` blocks per replicate stage (of ``stage_widths``
+    devices, 1 each by default); tied head."""
 
-    def __init__(self, vocab=32, d=16, stage_layers=(2,), tied=True, seq=8) -> None:
+    def __init__(self, vocab=32, d=16, stage_layers=(2,), tied=True, seq=8, stage_widths=None) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
         blocks = []
-        for n in stage_layers:
+        for i, n in enumerate(stage_layers):
             if len(stage_layers) > 1:
-                with wh.replicate(1):
+                with wh.replicate(stage_widths[i] if stage_widths else 1):
                     blocks += [Block(d) for _ in range(n)]
             else:
                 blocks += [Block(d) for _ in range(n)]

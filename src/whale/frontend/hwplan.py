@@ -59,11 +59,14 @@ def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
 
 
 def _stage_speeds(layout: Plan, cluster: ClusterSpec, dtype: str = "fp32") -> tuple[list[float], list[float]]:
+    """Per stage, the speed of one of its devices (the slowest) times its lanes over the narrowest stage's
+    lanes (a stage twice as wide takes each micro-batch's rows twice as fast), and the least memory."""
     devs = cluster.devices()
     speeds, caps = [], []
+    fewest = min(layout.lanes_of(s) for s in range(layout.num_stages))
     for s in range(layout.num_stages):
         ranks = layout.stage_ranks(s)
-        speeds.append(min(devs[r].flops(dtype) for r in ranks))
+        speeds.append(min(devs[r].flops(dtype) for r in ranks) * layout.lanes_of(s) / fewest)
         caps.append(min(memory_capacity(cluster, r) for r in ranks))
     return speeds, caps
 
@@ -71,7 +74,9 @@ def _stage_speeds(layout: Plan, cluster: ClusterSpec, dtype: str = "fp32") -> tu
 def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
                  global_batch: int) -> UnitCut:
     """Contiguous unit cut minimizing the slowest stage within memory, on the devices ``layout`` (a plan with
-    the device order already applied) gives each stage.
+    the device order already applied) gives each stage. Stages of different widths are compared by rows per
+    device of the narrowest stage (activation bytes are counted at that many rows on every stage: an upper
+    bound for the wider ones).
 
     Raises:
         InfeasiblePlanError: no contiguous cut fits the stages' memory.
@@ -79,7 +84,7 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     layout = apply_hardware(layout, cluster)
     speeds, caps = _stage_speeds(layout, cluster)
     units = list(prof.units)
-    mb_rows = global_batch / config.num_micro_batch / layout.num_lanes
+    mb_rows = global_batch / config.num_micro_batch / min(layout.lanes_of(s) for s in range(layout.num_stages))
     flops = [u.train_flops * mb_rows for u in units]
     flops[-1] += prof.rest.train_flops * mb_rows
     static = [float(u.static_bytes) for u in units]

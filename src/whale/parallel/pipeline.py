@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from whale.parallel import p2p
+from whale.parallel.rowbridge import join, slice_for
+from whale.plan.layout import Peer
 from whale.plan.schedule import Action
 
 
@@ -24,13 +26,12 @@ class StageLinks:
 
     Attributes:
         stage, num_stages: this stage's index and the pipeline depth.
-        prev_rank, next_rank: global ranks of the neighbouring stages of this lane (``None`` at the ends).
+
+    The neighbouring lanes (which can change with the batch size) come with each step's :class:`MicroBatches`.
     """
 
     stage: int
     num_stages: int
-    prev_rank: int | None
-    next_rank: int | None
 
     @property
     def is_first(self) -> bool:
@@ -56,6 +57,11 @@ class MicroBatches:
         metric_fns: eval only, ``{name: fn(output, target)}``, each a mean over the rows it is given.
         metric_scales: ``rows / global_batch`` per micro-batch (metrics are per-sample means); defaults to
             ``scales``.
+        recv_from, send_to: the lanes of the previous / next stage this lane exchanges rows with, each with
+            the rows they share (:meth:`whale.plan.layout.PlanLayout.boundary_peers`; empty at the ends).
+        rows: this lane's rows in each micro-batch.
+        bridged: the neighbouring stages differ in width, so boundary values are re-split by rows
+            (:mod:`whale.parallel.rowbridge`); otherwise they pass whole to the one peer.
     """
 
     inputs: list
@@ -63,6 +69,10 @@ class MicroBatches:
     scales: list[float]
     metric_fns: dict = field(default_factory=dict)
     metric_scales: list[float] | None = None
+    recv_from: tuple[Peer, ...] = ()
+    send_to: tuple[Peer, ...] = ()
+    rows: int = 0
+    bridged: bool = False
 
 
 @dataclass
@@ -89,9 +99,10 @@ class _InFlight:
     """Per-step state: activations awaiting backward, the posted receive of the next inputs, pending sends."""
 
     live: dict = field(default_factory=dict)
-    next_inputs: p2p.PendingRecv | None = None
-    sent_meta: list | None = None  # description of this step's first forward transfer (later ones: no header)
+    next_inputs: list[p2p.PendingRecv] | None = None
+    sent_meta: dict = field(default_factory=dict)  # per receiver, this step's first transfer's description
     sends: list = field(default_factory=list)
+    recv_from: tuple = ()  # the lanes this step's inputs come from (their gradients go back to them)
     segment: tuple = (0.0, 0.0)
 
 
@@ -132,7 +143,7 @@ class StageExecutor:
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
-        result, state = StepResult(), _InFlight()
+        result, state = StepResult(), _InFlight(recv_from=work.recv_from)
         m = len(work.scales)
         t0 = time.perf_counter()
         for a in actions:
@@ -150,28 +161,35 @@ class StageExecutor:
             work_item.wait()
         return result
 
-    def _receive(self, mb: int, m: int, state: _InFlight) -> tuple:
-        pending = state.next_inputs or p2p.PendingRecv(self.links.prev_rank, self.device)
-        inputs, meta = pending.wait()
-        state.next_inputs = p2p.PendingRecv(self.links.prev_rank, self.device, meta) if mb + 1 < m else None
-        return inputs
+    def _receive(self, mb: int, work: MicroBatches, state: _InFlight) -> list[tuple]:
+        """This micro-batch's pieces from every sending lane (in row order); posts the next receives."""
+        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device) for p in work.recv_from]
+        got = [p.wait() for p in pending]
+        more = mb + 1 < len(work.scales)
+        state.next_inputs = [p2p.PendingRecv(p.rank, self.device, meta)
+                             for p, (_, meta) in zip(work.recv_from, got, strict=True)] if more else None
+        return [values for values, _ in got]
 
     def _forward(self, mb: int, work: MicroBatches, grad: bool, state: _InFlight, result: StepResult) -> None:
         links = self.links
-        given = work.inputs[mb] if links.is_first else self._receive(mb, len(work.scales), state)
-        inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
+        pieces = [] if links.is_first else self._receive(mb, work, state)
         start = self._clock()
         with torch.set_grad_enabled(grad):
+            given = work.inputs[mb] if links.is_first else join(pieces)  # pieces joined in the stage's graph
+            inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
             out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
             if links.is_last:
                 out = self._loss(mb, out, work, result)
         self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
-        if not links.is_last:
-            works, state.sent_meta = p2p.send_values(out, links.next_rank, self.device, state.sent_meta)
+        outgoing = []
+        for peer in () if links.is_last else work.send_to:
+            values = slice_for(_as_tuple(out), peer, work.rows, work.bridged)
+            works, state.sent_meta[peer.rank] = p2p.send_values(values, peer.rank, self.device,
+                                                                 state.sent_meta.get(peer.rank))
             state.sends += works
+            outgoing.append((values, p2p.post_grads(values, peer.rank) if grad else []))
         if grad:
-            posted = p2p.post_grads(out, links.next_rank) if not links.is_last else []
-            state.live[mb] = (inputs, out, posted)
+            state.live[mb] = (inputs, pieces, out, outgoing)
 
     def _loss(self, mb: int, out, work: MicroBatches, result: StepResult) -> torch.Tensor:
         loss = self.loss_fn(out, work.targets[mb])
@@ -188,20 +206,22 @@ class StageExecutor:
         return loss
 
     def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
-        inputs, out, posted = state.live.pop(mb)
+        inputs, pieces, out, outgoing = state.live.pop(mb)
         if self.links.is_last:
             tensors, grads = [out], None
-        else:
-            grads = p2p.wait_grads(posted)
-            tensors = [v for v in out if isinstance(v, torch.Tensor) and v.requires_grad]
+        else:  # one gradient per piece sent (autograd sums the pieces of one output)
+            tensors, grads = [], []
+            for values, posted in outgoing:
+                grads += p2p.wait_grads(posted)
+                tensors += [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
         if last:
             self.before_last_backward(result.loss_sum)
         start = self._clock()
         if tensors:
             torch.autograd.backward(tensors, grads)
         self._account(start, lambda: ("B", _shapes(inputs)), state, result)
-        if not self.links.is_first:
-            state.sends += p2p.send_grads(inputs, self.links.prev_rank)
+        for peer, piece in zip(state.recv_from, pieces, strict=True):
+            state.sends += p2p.send_grads(piece, peer.rank)
 
     def _clock(self) -> tuple[float, float]:
         """Wall time, and this thread's CPU time when emulating (0.0 otherwise: not needed)."""

@@ -32,7 +32,7 @@ class SplitRuntime:
     def __init__(self, module: nn.Module, plan: Plan, stage: int, group) -> None:
         self.module, self.regions = module, []
         self.origins: dict[int, nn.Parameter] = {}
-        if plan.stage_width > 1:
+        if plan.width_of(stage) > 1:
             with shard_ties(self.module, plan) as ties:  # a weight tied inside the split stays one parameter
                 self._install(plan, stage, group)
             ties.check(self.module)
@@ -76,6 +76,8 @@ class SplitRuntime:
     def start_step(self, plan: Plan, rows: list[list[tuple[int, int]]], lane: int) -> None:
         """Tell the bridges the rows each group member holds this step (``rows`` from
         :meth:`Plan.micro_batch_rows`; micro-batches of a step have equal shares)."""
+        if not self.regions:
+            return
         counts = [rows[other][0][1] - rows[other][0][0] for other in self.group_lanes(plan, lane)]
         for region in self.regions:
             region.set_rows(counts)

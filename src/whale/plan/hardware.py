@@ -6,7 +6,8 @@ within its memory.
   (stage s of S holds up to S - s micro-batches of activations under 1F1B).
 - Lane shares (intra-TaskGraph, replicate): a lane runs at the speed of its slowest stage device; shares
   start proportional to that speed and move off lanes whose memory would overflow (the paper's Algorithm 1,
-  :func:`whale.plan.balance.balance_batch`).
+  :func:`whale.plan.balance.balance_batch`). Stages of different widths balance each stage's own lanes (each
+  lane of a stage is one device; the batch bridge re-splits rows between stages).
 - Shard sizes (intra-TaskGraph, split): proportional to the speed of the devices at each shard position.
 - Predicted utilization per rank: its compute time relative to the slowest rank.
 """
@@ -51,7 +52,7 @@ def device_order(plan: Plan, cluster: ClusterSpec) -> tuple[int, ...]:
     is the identity."""
     if not plan.is_pipeline:
         return ()
-    d = plan.num_stages * plan.stage_width
+    d = sum(plan.stage_widths)
     mem = [memory_capacity(cluster, r) for r in range(plan.world_size)]
     order: list[int] = []
     for k in range(plan.num_replicas):
@@ -60,39 +61,40 @@ def device_order(plan: Plan, cluster: ClusterSpec) -> tuple[int, ...]:
     return tuple(order) if order != list(range(plan.world_size)) else ()
 
 
-def _lane_limits(plan: Plan, cluster: ClusterSpec, memory: MemoryModel) -> list[float]:
-    """Most samples each lane can hold: min over its stages of (capacity - fixed) / per-sample bytes, where a
-    stage keeps ``in_flight / m`` of its lane's samples alive at once (1F1B: min(m, S - s); GPipe: all).
+def _rank_limit(plan: Plan, cluster: ClusterSpec, memory: MemoryModel, s: int, rank: int) -> float:
+    """Most samples ``rank`` can hold running stage ``s``: (capacity - fixed) / per-sample bytes, where the stage
+    keeps ``in_flight / m`` of its lane's samples alive at once (1F1B: min(m, S - s); GPipe: all).
 
     Raises:
-        InfeasiblePlanError: some device cannot hold even one sample; names the rank, its stage and the bytes.
+        InfeasiblePlanError: the device cannot hold even one sample; names the rank, its stage and the bytes.
     """
     m, s_count = plan.num_micro_batch, plan.num_stages
-    limits = []
-    for lane in range(plan.num_lanes):
-        lim = float("inf")
-        for s in range(s_count):
-            per = memory.per_sample_bytes[s] * in_flight_micro_batches(s, s_count, m, plan.schedule) / m
-            rank = plan.rank_of(s, lane)
-            cap = memory_capacity(cluster, rank)
-            need_one = memory.fixed_bytes[s] + per
-            if need_one > cap:
-                raise InfeasiblePlanError(
-                    f"rank {rank} ({cluster.devices()[rank].name}, stage {s}) needs {format_bytes(need_one)} for "
-                    f"its parameters, gradients, optimizer state and one sample but has {format_bytes(cap)}; it "
-                    f"lacks {format_bytes(need_one - cap)}. Use devices with more memory, more pipeline stages or "
-                    "split, or (emulation) a larger memory_scale", rank, need_one, cap)
-            if per > 0:
-                lim = min(lim, (cap - memory.fixed_bytes[s]) / per)
-        limits.append(lim)
-    return limits
+    per = memory.per_sample_bytes[s] * in_flight_micro_batches(s, s_count, m, plan.schedule) / m
+    cap = memory_capacity(cluster, rank)
+    need_one = memory.fixed_bytes[s] + per
+    if need_one > cap:
+        raise InfeasiblePlanError(
+            f"rank {rank} ({cluster.devices()[rank].name}, stage {s}) needs {format_bytes(need_one)} for "
+            f"its parameters, gradients, optimizer state and one sample but has {format_bytes(cap)}; it "
+            f"lacks {format_bytes(need_one - cap)}. Use devices with more memory, more pipeline stages or "
+            "split, or (emulation) a larger memory_scale", rank, need_one, cap)
+    return (cap - memory.fixed_bytes[s]) / per if per > 0 else float("inf")
+
+
+def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list[float]) -> list[float]:
+    """Whole rows of one micro-batch per lane, proportional to speed within each lane's sample limit."""
+    rows = max(1, memory.global_batch // m)
+    caps = [float(rows) if lim == float("inf") else lim / m for lim in limits]
+    shares = balance_batch(rows, lane_speed, caps, [0.0] * len(caps), 1.0, min(1, rows // len(caps)))
+    return [float(x) for x in shares]
 
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
-    """Relative load per lane: proportional to the lane's bottleneck speed; with a :class:`MemoryModel`, whole
-    rows of one micro-batch (``memory.global_batch / num_micro_batch``), memory-constrained (the paper's
-    Algorithm 1). Whole rows per micro-batch are what the runtime runs (:meth:`Plan.micro_batch_rows` cuts each
-    micro-batch by these weights), so the shares the plan shows are the rows that run at that batch size.
+    """Relative load per lane (stages of one width): proportional to the lane's bottleneck speed; with a
+    :class:`MemoryModel`, whole rows of one micro-batch (``memory.global_batch / num_micro_batch``),
+    memory-constrained (the paper's Algorithm 1). Whole rows per micro-batch are what the runtime runs
+    (:meth:`Plan.micro_batch_rows` cuts each micro-batch by these weights), so the shares the plan shows are the
+    rows that run at that batch size.
 
     Raises:
         InfeasiblePlanError: no split of the batch fits the devices' memory (names the device and the bytes).
@@ -101,11 +103,29 @@ def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: M
                   for lane in range(plan.num_lanes)]
     if memory is None:
         return lane_speed
-    m = plan.num_micro_batch
-    rows = max(1, memory.global_batch // m)
-    caps = [float(rows) if lim == float("inf") else lim / m for lim in _lane_limits(plan, cluster, memory)]
-    shares = balance_batch(rows, lane_speed, caps, [0.0] * len(caps), 1.0, min(1, rows // len(caps)))
-    return [float(x) for x in shares]
+    limits = [min(_rank_limit(plan, cluster, memory, s, plan.rank_of(s, lane)) for s in range(plan.num_stages))
+              for lane in range(plan.num_lanes)]
+    return _balanced(memory, plan.num_micro_batch, lane_speed, limits)
+
+
+def stage_lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec,
+                      memory: MemoryModel | None) -> tuple[tuple[float, ...], ...]:
+    """Stages of different widths: per stage, the relative load of each of its lanes (one device each),
+    proportional to that device's speed and, with a :class:`MemoryModel`, within its memory (as
+    :func:`lane_shares`, stage by stage).
+
+    Raises:
+        InfeasiblePlanError: no split of a stage's rows fits its devices' memory.
+    """
+    out = []
+    for s in range(plan.num_stages):
+        ranks = plan.stage_ranks(s)
+        lane_speed = [speeds[r] for r in ranks]
+        if memory is not None:
+            limits = [_rank_limit(plan, cluster, memory, s, r) for r in ranks]
+            lane_speed = _balanced(memory, plan.num_micro_batch, lane_speed, limits)
+        out.append(tuple(lane_speed))
+    return tuple(out)
 
 
 def shard_weights(plan: Plan, speeds: list[float], stage: int) -> tuple[float, ...]:
@@ -115,20 +135,24 @@ def shard_weights(plan: Plan, speeds: list[float], stage: int) -> tuple[float, .
 
 
 def predicted_utilization(plan: Plan, speeds: list[float]) -> tuple[float, ...]:
-    """Per rank: compute time (lane share x stage FLOPs / device speed) over the largest such time, in
-    [0, 1]; stages count as equal work unless ``plan.stage_flops`` says otherwise."""
-    total = sum(plan.lane_weights)
+    """Per rank: compute time (its lane's share of its stage x stage FLOPs / device speed) over the largest
+    such time, in [0, 1]; stages count as equal work unless ``plan.stage_flops`` says otherwise."""
     work = plan.stage_flops or [1.0] * plan.num_stages
     times = [0.0] * plan.world_size
-    for lane, w in enumerate(plan.lane_weights):
-        for s in range(plan.num_stages):
+    for s in range(plan.num_stages):
+        weights = plan.weights_of(s)
+        total = sum(weights)
+        for lane, w in enumerate(weights):
             r = plan.rank_of(s, lane)
             times[r] = (w / total) * work[s] / speeds[r]
     return tuple(utilization(times))
 
 
 def _split_shares(plan: Plan, speeds: list[float]) -> tuple:
-    """The plan's TaskGraphs with split shard weights sized by device speed."""
+    """The plan's TaskGraphs with split shard weights sized by device speed (none in stages of different
+    widths, where the plan refuses split)."""
+    if not plan.uniform_width:
+        return plan.task_graphs
     out = []
     for tg in plan.task_graphs:
         weights = shard_weights(plan, speeds, 0 if plan.colocated else tg.index)
@@ -155,36 +179,45 @@ def apply_hardware(plan: Plan, cluster: ClusterSpec, memory: MemoryModel | None 
     if cluster.emulate:
         notes += ("EMULATED cluster: CPU ranks imitate the declared devices' speed and memory "
                   f"(memory x {cluster.memory_scale:g}); timings are emulation, not real hardware",)
+    shares: dict = {}
     if keep_lane_weights:
-        weights = plan.lane_weights
         notes += ("lane shares from Config.load_shares (as given, not balanced by device speed)",)
+    elif ordered.uniform_width:
+        shares = {"lane_weights": tuple(lane_shares(ordered, speeds, cluster, memory))}
     else:
-        weights = tuple(lane_shares(ordered, speeds, cluster, memory))
-    out = dataclasses.replace(ordered, lane_weights=weights, task_graphs=_split_shares(ordered, speeds), notes=notes)
+        shares = {"stage_lane_weights": stage_lane_shares(ordered, speeds, cluster, memory)}
+    out = dataclasses.replace(ordered, **shares, task_graphs=_split_shares(ordered, speeds), notes=notes)
     return dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
 
 
-def rebalance(plan: Plan, seconds_per_row: list[float]) -> Plan:
+def rebalance(plan: Plan, seconds_per_row: list) -> Plan:
     """A new plan whose lane shares follow measured speed (profile-guided balancing).
 
     ``seconds_per_row[lane]`` is the compute time per sample of the lane's slowest stage, measured over recent
-    steps; the new shares are proportional to ``1 / seconds_per_row``. Datasheet FLOPS miss what really sets a
-    device's speed on a model (kernel efficiency, clocks, a slower core), so a plan made from them is corrected
-    after a few steps. Memory limits are not re-checked: use it where the datasheet plan was not memory-bound.
+    steps; for stages of different widths it is one list per stage, ``seconds_per_row[s][lane]`` (each lane of
+    a stage is one rank). The new shares are proportional to ``1 / seconds_per_row``. Datasheet FLOPS miss
+    what really sets a device's speed on a model (kernel efficiency, clocks, a slower core), so a plan made
+    from them is corrected after a few steps. Memory limits are not re-checked: use it where the datasheet
+    plan was not memory-bound.
 
     Raises:
         PlanError: a wrong number of measurements or a non-positive one.
     """
-    if len(seconds_per_row) != plan.num_lanes or any(not t > 0 for t in seconds_per_row):
-        raise PlanError(f"rebalance needs {plan.num_lanes} positive seconds-per-row measurements, "
-                        f"got {seconds_per_row}")
+    per_stage = [list(seconds_per_row)] * plan.num_stages if plan.uniform_width else list(seconds_per_row)
+    want = [plan.lanes_of(s) for s in range(plan.num_stages)]
+    if len(per_stage) != plan.num_stages or any(
+            not isinstance(row, list | tuple) or len(row) != n or any(not t > 0 for t in row)
+            for row, n in zip(per_stage, want, strict=True)):
+        wanted = want[0] if plan.uniform_width else f"{plan.num_stages} lists of {want}"
+        raise PlanError(f"rebalance needs {wanted} positive seconds-per-row measurements, got {seconds_per_row}")
+    weights = [tuple(1.0 / t for t in row) for row in per_stage]
     note = "lane shares re-balanced from measured step times"
-    out = dataclasses.replace(plan, lane_weights=tuple(1.0 / t for t in seconds_per_row),
-                              notes=plan.notes if note in plan.notes else plan.notes + (note,))
+    shares = {"lane_weights": weights[0]} if plan.uniform_width else {"stage_lane_weights": tuple(weights)}
+    out = dataclasses.replace(plan, **shares, notes=plan.notes if note in plan.notes else plan.notes + (note,))
     if plan.devices:
         speeds = [0.0] * plan.world_size
-        for lane, t in enumerate(seconds_per_row):
-            for s in range(plan.num_stages):
-                speeds[plan.rank_of(s, lane)] = 1.0 / t
+        for s, row in enumerate(weights):
+            for lane, speed in enumerate(row):
+                speeds[plan.rank_of(s, lane)] = speed
         out = dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
     return out

@@ -5,11 +5,12 @@ from a model, its annotations and a cluster; the runtime executes it and decides
 rebalance, a resume with other shares) makes a new plan with :func:`dataclasses.replace`; a plan is never
 mutated. ``Plan.from_json(plan.to_json()) == plan`` holds exactly.
 
-Rank layout. With S stages of n devices each and K nested replicas, a replica spans D = S*n ranks and slot
-``k*D + s*n + j`` runs stage ``s`` for data-parallel *lane* ``(k, j)`` (lane index ``k*n + j``);
-``device_order`` maps slots to global ranks (identity when empty). A lane is one path of a micro-batch through
-all stages; lanes split every micro-batch by ``lane_weights``. Without pipelining (S = 1) a lane is simply a
-data-parallel rank. This is the rank grid ``[S, K, n]`` (mesh axes ``pp``, ``dp``, ``tp``).
+Rank layout (see :mod:`whale.plan.layout`). Stage ``s`` runs on ``n_s`` devices per replica; K nested replicas
+each span ``D = sum(n_s)`` ranks, and slot ``k*D + n_0 + ... + n_{s-1} + j`` runs stage ``s`` for its
+data-parallel *lane* ``k*n_s + j``; ``device_order`` maps slots to global ranks (identity when empty). With
+equal widths n this is the rank grid ``[S, K, n]`` (mesh axes ``pp``, ``dp``, ``tp``) and a lane is one path of
+a micro-batch through all stages; stages of different widths each split a micro-batch over their own lanes and
+a batch bridge re-splits the rows between neighbours.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from whale.plan.checks import (
     _real,
     _seq,
 )
+from whale.plan.layout import PlanLayout
 from whale.plan.schedule import SCHEDULES, ScheduleName
 
 Kind = Literal["replicate", "split"]
@@ -147,7 +149,7 @@ class CaptureInput(_Checked):
 
 
 @dataclass(frozen=True)
-class Plan(_Checked):
+class Plan(_Checked, PlanLayout):
     """TaskGraphs x VirtualDevices x per-lane loads x schedule x stage cut x shared parameters.
 
     Attributes:
@@ -156,7 +158,8 @@ class Plan(_Checked):
         num_replicas: K, the nested data-parallel degree (whole pipeline copied K times).
         num_micro_batch: micro-batches per mini-batch.
         schedule: ``"1F1B"`` or ``"GPipe"``.
-        lane_weights: relative batch load of each lane (len = K * n); batch rows are apportioned exactly.
+        lane_weights: relative batch load of each lane (len = K * n) when every stage has the same width n;
+            batch rows are apportioned exactly. Empty when the stages have different widths.
         shared_params: parameters held by several stages (tied weights).
         stage_cuts: per pipeline stage, the graph nodes, parameters and buffers it owns (empty = no cut:
             one stage runs the whole model).
@@ -170,6 +173,8 @@ class Plan(_Checked):
             rank's (1.0 = the bottleneck; empty when not hardware-aware).
         stage_flops: training FLOPs per sample of each stage, when the model was profiled.
         notes: free-form lines shown in the printout (e.g. "emulated cluster").
+        stage_lane_weights: stages of different widths only (empty otherwise): per stage, the relative batch
+            load of each of its ``K * n_s`` lanes.
         capture: how the stage cut's graph was captured: ``"fx"`` (``torch.fx.symbolic_trace``) or
             ``"export"`` (``torch.export``, non-strict, from ``capture_inputs``).
         capture_inputs: the example forward arguments of an ``"export"`` capture.
@@ -190,61 +195,18 @@ class Plan(_Checked):
     predicted_utilization: tuple[float, ...] = ()
     stage_flops: tuple[float, ...] = ()
     notes: tuple[str, ...] = ()
+    stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     capture: CaptureName = "fx"
     capture_inputs: tuple[CaptureInput, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.lane_weights and self.task_graphs:
+        if self.task_graphs and self.uniform_width and not self.lane_weights:
             object.__setattr__(self, "lane_weights", (1.0,) * self.num_lanes)
+        elif self.task_graphs and not self.uniform_width and not self.stage_lane_weights:
+            equal = tuple((1.0,) * self.lanes_of(s) for s in range(self.num_stages))
+            object.__setattr__(self, "stage_lane_weights", equal)
         self.validate()
-
-    # --- derived layout ----------------------------------------------------------------------------------
-    @property
-    def num_stages(self) -> int:
-        """Number of pipeline stages (= TaskGraphs, or 1 when they are colocated)."""
-        return 1 if self.colocated else len(self.task_graphs)
-
-    @property
-    def stage_width(self) -> int:
-        """Devices per replica in each stage (n)."""
-        return self.task_graphs[0].device_count
-
-    @property
-    def num_lanes(self) -> int:
-        """Data-parallel lanes, K * n."""
-        return self.num_replicas * self.stage_width
-
-    @property
-    def is_pipeline(self) -> bool:
-        """True when there are several stages."""
-        return self.num_stages > 1
-
-    def rank_of(self, stage: int, lane: int) -> int:
-        """Global rank running ``stage`` for ``lane``."""
-        n = self.stage_width
-        k, j = divmod(lane, n)
-        slot = k * self.num_stages * n + stage * n + j
-        return self.device_order[slot] if self.device_order else slot
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """``(stage, lane)`` of a global rank."""
-        slot = self.device_order.index(rank) if self.device_order else rank
-        n, s_count = self.stage_width, self.num_stages
-        k, rest = divmod(slot, s_count * n)
-        stage, j = divmod(rest, n)
-        return stage, k * n + j
-
-    def rank_grid(self) -> list[list[list[int]]]:
-        """Global ranks as a ``[S][K][n]`` grid (mesh axes ``pp``, ``dp``, ``tp``): ``[s][k][j]`` runs stage s
-        of lane ``k*n + j``."""
-        n = self.stage_width
-        return [[[self.rank_of(s, k * n + j) for j in range(n)] for k in range(self.num_replicas)]
-                for s in range(self.num_stages)]
-
-    def stage_ranks(self, stage: int) -> list[int]:
-        """Ranks of one stage, ordered by lane (the stage's data-parallel group)."""
-        return [self.rank_of(stage, lane) for lane in range(self.num_lanes)]
 
     def stage_task_graphs(self, stage: int) -> tuple[TaskGraph, ...]:
         """TaskGraphs run by a stage (all of them when colocated)."""
@@ -261,64 +223,52 @@ class Plan(_Checked):
                     out += [(name, nest.shard_weights) for name in nest.modules]
         return out
 
-    # --- batch apportioning ------------------------------------------------------------------------------
-    def micro_batch_rows(self, global_batch: int) -> list[list[tuple[int, int]]]:
-        """Row ranges ``[lane][micro_batch] -> (start, stop)`` into the global batch (dim 0).
-
-        The global batch is cut into ``num_micro_batch`` equal micro-batches; each micro-batch is cut across
-        lanes by ``lane_weights`` with whole rows that add up exactly (largest remainder,
-        :func:`whale.plan.balance.proportional_shares`).
-
-        Raises:
-            PlanError: the batch does not divide into micro-batches, or a micro-batch has fewer rows than
-                there are lanes (some lane would get no rows).
-        """
-        from whale.plan.balance import proportional_shares  # balance imports PlanError from here
-
-        m = self.num_micro_batch
-        smallest = m * self.num_lanes
-        if global_batch % m:
-            good = max(smallest, -(-global_batch // m) * m)
-            raise PlanError(
-                f"global batch of {global_batch} rows does not divide into num_micro_batch={m} micro-batches; "
-                f"use a multiple of {m} with at least {smallest} rows ({self.num_lanes} data-parallel ranks x "
-                f"{m} micro-batches), e.g. {good}"
-            )
-        mb = global_batch // m
-        shares = proportional_shares(mb, list(self.lane_weights))
-        if mb < self.num_lanes or min(shares) < 1:
-            raise PlanError(
-                f"each micro-batch has {mb} rows (batch {global_batch} / {m} micro-batches) but there are "
-                f"{self.num_lanes} data-parallel ranks and shares {shares} leave one empty; use a global batch "
-                f"of at least {self.num_lanes * m} rows or fewer micro-batches"
-            )
-        starts = [sum(shares[:i]) for i in range(len(shares))]
-        return [[(i * mb + starts[lane], i * mb + starts[lane] + shares[lane]) for i in range(m)]
-                for lane in range(self.num_lanes)]
-
     # --- validation and serialization --------------------------------------------------------------------
     def validate(self) -> None:
         """Check the plan's internal consistency; raises :class:`PlanError` naming the problem."""
         if not self.task_graphs:
             raise PlanError("task_graphs = [] is empty; a plan runs at least one TaskGraph")
         self._validate_task_graphs()
-        per_replica, k = self.num_stages * self.stage_width, self.num_replicas
-        if per_replica * k != self.world_size:
-            raise PlanError(f"num_replicas = {k}: {k} replica(s) x {per_replica} devices != world size "
-                            f"{self.world_size}; world_size must be num_replicas x stages x device_count")
-        if len(self.lane_weights) != self.num_lanes:
-            _fail("lane_weights", list(self.lane_weights), f"must hold {self.num_lanes} positive numbers, one per "
-                  "data-parallel lane", f"give {k} replica(s) x {self.stage_width} device(s) = {self.num_lanes}")
+        widths, k = list(self.stage_widths), self.num_replicas
+        if sum(widths) * k != self.world_size:
+            raise PlanError(f"num_replicas = {k}: {k} replica(s) x {'+'.join(map(str, widths))} = {sum(widths)} "
+                            f"devices != world size {self.world_size}; world_size must be num_replicas x the "
+                            "sum of the stages' device counts")
+        if self.uniform_width:
+            self._validate_lane_weights("lane_weights", self.lane_weights, 0)
+            if self.stage_lane_weights:
+                _fail("stage_lane_weights", [list(w) for w in self.stage_lane_weights], "is only for stages of "
+                      f"different widths, but every stage has {widths[0]} device(s)", "use lane_weights ([] here)")
+        else:
+            if self.lane_weights:
+                _fail("lane_weights", list(self.lane_weights), f"is for stages of one width, but the widths are "
+                      f"{widths}", "give each stage's lane shares in stage_lane_weights and leave lane_weights []")
+            if len(self.stage_lane_weights) != self.num_stages:
+                _fail("stage_lane_weights", [list(w) for w in self.stage_lane_weights], f"must hold one list per "
+                      f"stage ({self.num_stages})", "give each stage the shares of its lanes")
+            for s, weights in enumerate(self.stage_lane_weights):
+                self._validate_lane_weights(f"stage_lane_weights[{s}]", weights, s)
         self._validate_ranks()
         self._validate_cut()
 
+    def _validate_lane_weights(self, where: str, weights: tuple[float, ...], stage: int) -> None:
+        lanes, k, n = self.lanes_of(stage), self.num_replicas, self.width_of(stage)
+        if len(weights) != lanes:
+            _fail(where, list(weights), f"must hold {lanes} positive numbers, one per data-parallel lane",
+                  f"give {k} replica(s) x {n} device(s) = {lanes}")
+
     def _validate_task_graphs(self) -> None:
         widths = [tg.device_count for tg in self.task_graphs]
-        if len(set(widths)) != 1:
-            raise PlanError(
-                f"pipeline stages have different device counts {widths}; stages of unequal width need a batch "
-                "bridge between them, which is not implemented yet: give every stage the same device_count "
-                "(nested data parallelism replicates the whole pipeline)")
+        if self.colocated and len(set(widths)) != 1:
+            _fail("task_graphs device counts", widths, "differ, but colocated TaskGraphs share their devices",
+                  "give them the same device_count")
+        for i, tg in enumerate(self.task_graphs):
+            if len(set(widths)) != 1 and tg.has_split:
+                raise PlanError(
+                    f"task_graphs[{i}] ({tg.kind}({tg.device_count}), modules {list(tg.modules)[:3]}) shards "
+                    f"operators, but the pipeline's stages have different device counts {widths}; split runs "
+                    "only in pipelines whose stages all have the same width: give every stage the same "
+                    "device_count, or use replicate in this stage")
         for i, tg in enumerate(self.task_graphs):
             if tg.index != i:
                 _fail(f"task_graphs[{i}].index", tg.index, f"must equal its position {i} in task_graphs",
@@ -410,6 +360,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
            "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
+           "stage_lane_weights": _seq(_POS, "lists of numbers > 0"),
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,

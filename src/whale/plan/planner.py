@@ -1,6 +1,7 @@
 """The planner: a pure function from TaskGraph summaries, a world size and a config to a :class:`Plan`.
 
-It resolves each TaskGraph's device count, the nested data-parallel degree K and the per-lane load shares; the
+It resolves each TaskGraph's device count (pipeline stages may differ in width; see :mod:`whale.plan.layout`),
+the nested data-parallel degree K and the per-lane load shares (per stage when the widths differ); the
 stage cut and shared parameters come in from the front end (:mod:`whale.frontend`), the hardware-aware
 balancing is applied afterwards by :func:`whale.plan.hardware.apply_hardware`. It touches no process group and
 no tensor.
@@ -63,11 +64,13 @@ def resolve_device_counts(tgs: list[TaskGraphSummary], world_size: int,
 
     ``device_count=None`` means all devices when there is one TaskGraph or they are colocated, and 1 device
     per replica when there are several stages (nested data parallelism then copies the pipeline over the rest
-    of the world).
+    of the world). Pipeline stages may have different device counts (e.g. ``replicate(2)`` then
+    ``replicate(1)`` on 3 ranks): one replica then needs their sum, and a batch bridge re-splits each
+    micro-batch's rows between a stage of n lanes and one of m (:mod:`whale.plan.layout`).
 
     Raises:
-        PlanError: the world size is not a multiple of the devices one replica needs; colocated TaskGraphs
-            with different device counts.
+        PlanError: the world size is not a multiple of the devices one replica needs (the sum of the stages'
+            counts); colocated TaskGraphs with different device counts.
     """
     if colocated:
         counts = _colocated_counts(tgs, world_size)
@@ -107,8 +110,12 @@ def make_plan(
         shared_params: parameters held by several stages (tied weights).
         leaf_modules: modules the stage cut traced as single calls.
 
+    Stages of different widths each get their own lane weights (``stage_lane_weights``); ``load_shares``
+    then gives one share per rank, stage by stage (stage 0's ``K*n_0`` lanes first).
+
     Raises:
-        PlanError: device counts do not fit the world size; ``load_shares`` has the wrong length.
+        PlanError: device counts do not fit the world size; ``load_shares`` has the wrong length; a split in
+            a pipeline whose stages have different device counts.
     """
     if world_size < 1:
         raise PlanError(f"world size {world_size} must be >= 1")
@@ -117,13 +124,7 @@ def make_plan(
     colocated = is_colocated(tgs, config.num_micro_batch)
     counts, k = resolve_device_counts(tgs, world_size, colocated)
     _check_nested(tgs, counts)
-    lanes = k * counts[0]
-    weights = list(config.load_shares) if config.load_shares else [1.0] * lanes
-    if len(weights) != lanes and len(set(counts)) == 1:
-        raise PlanError(
-            f"load_shares has {len(weights)} entries but the plan has {lanes} data-parallel lanes "
-            f"({k} replica(s) x {counts[0]} devices per stage); give one share per lane"
-        )
+    lane_weights, stage_lane_weights = _lane_weights(config, counts, k, colocated)
     task_graphs = tuple(TaskGraph(i, tg.kind, c, tg.modules, tg.num_params, tg.nested)
                         for i, (tg, c) in enumerate(zip(tgs, counts, strict=True)))
     return Plan(
@@ -132,7 +133,8 @@ def make_plan(
         num_replicas=k,
         num_micro_batch=config.num_micro_batch,
         schedule=config.schedule,
-        lane_weights=tuple(weights),
+        lane_weights=lane_weights,
+        stage_lane_weights=stage_lane_weights,
         shared_params=tuple(shared_params),
         stage_cuts=tuple(stage_cuts),
         leaf_modules=tuple(leaf_modules),
@@ -149,3 +151,24 @@ def _check_nested(tgs: list[TaskGraphSummary], counts: list[int]) -> None:
                     f"{nest.kind}({want}) nested in {tg.kind}({c}) must span the same {c} devices (a sharded "
                     f"operator inside each replica uses the replica's devices); use {nest.kind}({c}) or "
                     f"{nest.kind}()")
+
+
+def _lane_weights(config: Config, counts: list[int], k: int,
+                  colocated: bool) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+    """``(lane_weights, stage_lane_weights)`` from ``config.load_shares`` (equal shares when unset): one list
+    for stages of one width, one per stage otherwise (the shares given stage by stage)."""
+    widths = counts[:1] if colocated else counts
+    lanes = [k * n for n in widths]
+    given = list(config.load_shares) if config.load_shares else None
+    if len(set(widths)) == 1:
+        if given is not None and len(given) != lanes[0]:
+            raise PlanError(f"load_shares has {len(given)} entries but the plan has {lanes[0]} data-parallel lanes "
+                            f"({k} replica(s) x {widths[0]} devices per stage); give one share per lane")
+        return tuple(given or [1.0] * lanes[0]), ()
+    if given is not None and len(given) != sum(lanes):
+        raise PlanError(f"load_shares has {len(given)} entries but the stages of widths {widths} have "
+                        f"{'+'.join(map(str, lanes))} = {sum(lanes)} data-parallel lanes; give one share per lane, "
+                        "stage by stage (stage 0's lanes first)")
+    given = given or [1.0] * sum(lanes)
+    starts = [sum(lanes[:s]) for s in range(len(lanes))]
+    return (), tuple(tuple(given[a:a + n]) for a, n in zip(starts, lanes, strict=True))

@@ -9,10 +9,15 @@ from whale.plan.plan import Plan, TaskGraph
 
 def _layout(plan: Plan) -> str:
     """What runs where, in the field's words, e.g. ``2 pipeline stages x 2-way data parallel``."""
-    n, k = plan.stage_width, plan.num_replicas
+    k = plan.num_replicas
     kinds = {tg.kind for tg in plan.task_graphs}
     if plan.world_size == 1:
         return "1 device"
+    if not plan.uniform_width:
+        widths = "+".join(map(str, plan.stage_widths))
+        text = f"{plan.num_stages} pipeline stages of different widths ({widths} devices, batch bridges between them)"
+        return text + (f" x {k} replicas (nested data parallel)" if k > 1 else "")
+    n = plan.stage_width
     if plan.colocated:
         what = " + ".join(dict.fromkeys(tg.kind for tg in plan.task_graphs))
         parts = [f"{what} on the same {n} device(s)"]
@@ -69,10 +74,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("(the hardware-aware planner re-cut the stages by device speed and memory; the annotations "
                      "fixed the stage count)")
     lines.extend(_shard_rows(plan))
-    if plan.num_lanes > 1:
-        wsum = sum(plan.lane_weights)
-        lines.append("batch share per data-parallel lane: "
-                     + "  ".join(f"lane {i}: {w / wsum:.1%}" for i, w in enumerate(plan.lane_weights)))
+    lines.extend(_lane_rows(plan))
     if plan.stage_cuts:
         how = "torch.export (non-strict), from the sample batch's shapes" if plan.capture == "export" else \
             "torch.fx.symbolic_trace"
@@ -94,15 +96,36 @@ def format_plan(plan: Plan) -> str:
 
 def _device_rows(plan: Plan) -> list[str]:
     """Per rank: device type, stage, lane, batch share and predicted busy share."""
-    wsum = sum(plan.lane_weights)
     rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'busy*':>6}"]
     for r in range(plan.world_size):
         stage, lane = plan.coords(r)
         util = f"{plan.predicted_utilization[r]:.0%}" if plan.predicted_utilization else "-"
-        rows.append(f"{r:>4} {plan.devices[r]:<16} {stage:>5} {lane:>4} {plan.lane_weights[lane] / wsum:>7.1%} "
+        weights = plan.weights_of(stage)
+        rows.append(f"{r:>4} {plan.devices[r]:<16} {stage:>5} {lane:>4} {weights[lane] / sum(weights):>7.1%} "
                     f"{util:>6}")
     rows.append("* busy: predicted share of the step this rank computes (its compute time over the slowest "
                 "rank's; 100% = the bottleneck)")
+    return rows
+
+
+def _lane_rows(plan: Plan) -> list[str]:
+    """Each lane's share of every micro-batch: one list for stages of one width, per stage otherwise."""
+    if plan.uniform_width:
+        if plan.num_lanes == 1:
+            return []
+        wsum = sum(plan.lane_weights)
+        return ["batch share per data-parallel lane: "
+                + "  ".join(f"lane {i}: {w / wsum:.1%}" for i, w in enumerate(plan.lane_weights))]
+    shares = []
+    for s in range(plan.num_stages):
+        weights = plan.weights_of(s)
+        shares += [f"stage {s} lane {i}: {w / sum(weights):.1%}" for i, w in enumerate(weights)]
+    rows = _wrapped("batch share per data-parallel lane, per stage (rows re-split between stages): ", shares)
+    for s in range(plan.num_stages - 1):
+        n, m = plan.lanes_of(s), plan.lanes_of(s + 1)
+        how = "gathered" if m < n else "scattered" if m > n else "re-split"
+        rows.append(f"batch bridge stage {s} -> {s + 1}: {n} lane(s) -> {m} lane(s), rows {how} (each lane sends "
+                    "each lane of the next stage the rows they share; gradients come back the same way)")
     return rows
 
 

@@ -192,7 +192,7 @@ def _lane_group(model: nn.Module, plan: Plan, stage: int):
     """A dedicated process group over ``stage``'s lanes for BatchNorm statistics (``None`` when no BatchNorm
     or a single lane). Collective over the world: the decision reads the full model, the same on every rank,
     and every rank creates every stage's group in order (cached per world and ranks across engines)."""
-    if plan.world_size == 1 or plan.num_lanes == 1 or not any(isinstance(m, _BatchNorm) for m in model.modules()):
+    if plan.world_size == 1 or plan.max_lanes == 1 or not any(isinstance(m, _BatchNorm) for m in model.modules()):
         return None
     mine = None
     for s in range(plan.num_stages):

@@ -31,12 +31,13 @@ class CheckpointError(RuntimeError):
 @dataclass(frozen=True)
 class Restored:
     """What :func:`load` brings back besides tensors: the ``step`` count, the user's ``extra`` and the
-    ``lane_weights`` the checkpoint ran with (a speed setting, not a layout: a re-balanced run resumes with
-    them)."""
+    ``lane_weights`` (``stage_lane_weights`` for stages of different widths) the checkpoint ran with (a speed
+    setting, not a layout: a re-balanced run resumes with them)."""
 
     step: int
     extra: dict
     lane_weights: tuple[float, ...]
+    stage_lane_weights: tuple[tuple[float, ...], ...] = ()
 
 
 def _rank_file(path: str, rank: int) -> str:
@@ -96,7 +97,7 @@ def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights)
+    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights, saved.stage_lane_weights)
 
 
 def _full_stage_state(module: nn.Module) -> dict:
@@ -124,8 +125,8 @@ def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
     Each stage's lane 0 contributes its stage; split shards are first all-gathered over their group with the
     plan's (uneven) sizes, in replica 0 only (nested replicas hold the same shards).
     """
-    _, lane = plan.coords(rank)
-    mine = _full_stage_state(module) if lane < plan.stage_width else {}
+    stage, lane = plan.coords(rank)
+    mine = _full_stage_state(module) if lane < plan.width_of(stage) else {}
     if lane != 0:
         mine = {}
     if plan.world_size == 1:

@@ -1,7 +1,8 @@
 """The engine: executes a :class:`~whale.plan.plan.Plan` on this rank and decides nothing.
 
-``Engine = f(model, plan)``: the stage comes from the plan's stage cut, the groups from its rank grid, the rows
-of every micro-batch from its lane weights, the shard sizes from its shard weights. The engine orchestrates a
+``Engine = f(model, plan)``: the stage comes from the plan's stage cut, the groups from its rank layout, the rows
+of every micro-batch (and, between stages of different widths, which rows go to which lane of the next stage)
+from its lane weights, the shard sizes from its shard weights. The engine orchestrates a
 step; each part has one job: :class:`~whale.runtime.mesh.Mesh` (groups), :class:`~whale.parallel.regions.
 SplitRuntime` (sharded modules and their rows), :class:`~whale.parallel.data.GradSync` (gradient reduction),
 :class:`~whale.parallel.pipeline.StageExecutor` (the schedule), :class:`~whale.runtime.stats.StepHistory`
@@ -79,7 +80,7 @@ class Engine:
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
-        if plan.num_lanes > 1:
+        if plan.max_lanes > 1:
             check_batchnorms(model)  # before any process group: a refused BatchNorm stops every rank alike
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
@@ -92,9 +93,7 @@ class Engine:
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
         self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
-        last = self.stage == plan.num_stages - 1
-        links = StageLinks(self.stage, plan.num_stages, plan.rank_of(self.stage - 1, self.lane) if self.stage else None,
-                           None if last else plan.rank_of(self.stage + 1, self.lane))
+        links = StageLinks(self.stage, plan.num_stages)
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
@@ -130,7 +129,8 @@ class Engine:
         """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
         inputs, target = batch
         total = batch_size(batch)
-        rows = self.plan.micro_batch_rows(total)
+        rows = self.plan.micro_batch_rows(total, self.stage)  # this stage's lanes (the stages differ in width)
+        recv_from, send_to = self.plan.boundary_peers(total, self.stage, self.lane)  # the batch bridge's rows
         self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
@@ -149,7 +149,9 @@ class Engine:
             scales = row_scales
         return MicroBatches(inputs=[take(inputs, a, b) for a, b in rows[self.lane]] if self.stage == 0 else [],
                             targets=[take(target, a, b) for a, b in loss_rows] if last else [],
-                            scales=scales, metric_fns=metrics or {}, metric_scales=row_scales)
+                            scales=scales, metric_fns=metrics or {}, metric_scales=row_scales, recv_from=recv_from,
+                            send_to=send_to, rows=rows[self.lane][0][1] - rows[self.lane][0][0],
+                            bridged=not self.plan.uniform_width)
 
     def _checked_micro_batches(self, batch, kind: str, metrics: dict | None = None) -> MicroBatches:
         """:meth:`_micro_batches`; on the first calls of each kind, every rank also agrees that all were given
@@ -289,7 +291,7 @@ class Engine:
         Returns:
             The new plan (also ``self.plan``).
         """
-        self.plan = self.history.rebalance(self.plan, self.lane, self.world_size)
+        self.plan = self.history.rebalance(self.plan, self.lane, self.world_size, self.stage)
         return self.plan
 
     def stage_stats(self) -> list[dict]:
@@ -320,5 +322,6 @@ class Engine:
         """
         restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
         self.steps_done = restored.step
-        self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights)
+        self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights,
+                                        stage_lane_weights=restored.stage_lane_weights)
         return restored.extra

@@ -46,7 +46,7 @@ def norm_owned_params(plan: Plan, module: nn.Module, mesh: Mesh, split_params: s
     for p in module.parameters():
         if id(p) in not_mine:
             continue
-        shard_positions = 1 if id(p) in whole_in_group else plan.stage_width
+        shard_positions = 1 if id(p) in whole_in_group else plan.width_of(mesh.stage)
         owner = mesh.lane < shard_positions if id(p) in split_params else mesh.lane == 0
         if owner:
             out.append(p)

@@ -4,7 +4,10 @@ The regular rank grid ``[S, K, n]`` of :meth:`whale.plan.plan.Plan.rank_grid` is
 ``pp`` (pipeline stage), ``dp`` (nested replica) and ``tp`` (device within a stage: the split group). A stage's
 data-parallel group (every lane of the stage) is the flattened ``(dp, tp)`` sub-mesh, as torchtitan flattens its
 data-parallel axes. Tied parameters held by several stages need groups across stages that no mesh axis gives,
-so they get their own ``dist.new_group`` (every rank creates every group, in the plan's order).
+so they get their own ``dist.new_group`` (every rank creates every group, in the plan's order). Stages of
+different widths form no regular grid: each stage's data-parallel group is then a ``dist.new_group`` of its
+ranks (every rank creates every stage's group, in stage order), and there is no split group (the plan refuses
+split in such pipelines).
 """
 
 from __future__ import annotations
@@ -42,11 +45,17 @@ class Mesh:
         self.device_mesh: DeviceMesh | None = None
         if plan.world_size == 1:
             return
-        grid = torch.tensor(plan.rank_grid())
-        self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
-        self.lanes = _or_none(self.device_mesh["dp", "tp"]._flatten("lanes").get_group())
-        self.split_group = _or_none(self.device_mesh.get_group("tp"))
-        self.shard_replicas = _or_none(self.device_mesh.get_group("dp"))
+        if plan.uniform_width:
+            grid = torch.tensor(plan.rank_grid())
+            self.device_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp", "tp"))
+            self.lanes = _or_none(self.device_mesh["dp", "tp"]._flatten("lanes").get_group())
+            self.split_group = _or_none(self.device_mesh.get_group("tp"))
+            self.shard_replicas = _or_none(self.device_mesh.get_group("dp"))
+        else:
+            for s in range(plan.num_stages):
+                group = dist.new_group(plan.stage_ranks(s))
+                if s == self.stage:
+                    self.lanes = _or_none(group)
         for i, sp in enumerate(plan.shared_params):
             ranks = sorted(r for s in sp.stages for r in plan.stage_ranks(s))
             group = dist.new_group(ranks)

@@ -157,7 +157,7 @@ class RankStreams:
         if device.type == "cuda":
             generators.append(torch.cuda.default_generators[device.index if device.index is not None
                                                             else torch.cuda.current_device()])
-        replica, position = divmod(lane, plan.stage_width)
+        replica, position = divmod(lane, plan.width_of(stage))
         fresh: set[int] = set()
         self.handles: list = []
         self.lane = None

@@ -54,19 +54,26 @@ class StepHistory:
         per_row = [t.busy / t.rows for t in self.steps if t.rows]
         return statistics.median(per_row) if per_row else 0.0
 
-    def rebalance(self, plan: Plan, lane: int, world_size: int) -> Plan:
+    def rebalance(self, plan: Plan, lane: int, world_size: int, stage: int = 0) -> Plan:
         """A new plan whose lane shares follow every lane's measured compute time per row (collective: every
-        rank must call it). A lane counts its slowest stage. The history is cleared.
+        rank must call it with its ``stage`` and ``lane``). With stages of one width a lane counts its slowest
+        stage; stages of different widths re-balance each stage's lanes by their own times. The history is
+        cleared.
 
         Raises:
             PlanError: some lane has no measurement yet.
         """
-        every = _gather((lane, self.seconds_per_row()), world_size)
-        per_lane = [0.0] * plan.num_lanes
-        for other, t in every:
-            per_lane[other] = max(per_lane[other], t)
+        every = _gather((stage, lane, self.seconds_per_row()), world_size)
         self.steps.clear()
-        return hardware.rebalance(plan, per_lane)
+        if plan.uniform_width:  # a lane counts its slowest stage
+            per_lane = [0.0] * plan.num_lanes
+            for _, other, t in every:
+                per_lane[other] = max(per_lane[other], t)
+            return hardware.rebalance(plan, per_lane)
+        per_stage = [[0.0] * plan.lanes_of(s) for s in range(plan.num_stages)]
+        for st, other, t in every:
+            per_stage[st][other] = t
+        return hardware.rebalance(plan, per_stage)
 
     def stage_stats(self, plan: Plan, stage: int, world_size: int) -> list[dict]:
         """Per stage, mean busy (compute) seconds per step and the schedule's makespan over the recorded steps,
