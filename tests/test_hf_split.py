@@ -190,3 +190,29 @@ def test_unit_shards_round_weights_to_whole_heads():
     assert unit_shards(2, 2, weights=[1, 3]) == [1, 1]
     assert unit_shards(8, 2, weights=[3, 1]) == [6, 2]
     assert unit_shards(3, 2, sizes=[32, 16], unit=16) == [2, 1]
+
+
+def test_a_users_rule_for_a_transformers_type_wins_at_plan_and_run_time():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from whale import splitrules
+
+    saved = splitrules._RULES.get(LlamaMLP), LlamaMLP in splitrules._BUILTIN_RULES
+
+    def mine(module, group, sizes, **ctx):
+        return module
+
+    wh.register_split_rule(LlamaMLP, mine, dim_size=lambda mlp: 1)
+    try:
+        with pytest.raises(wh.SplitError, match=r"model.layers.0.mlp.*dim_size of LlamaMLP"):
+            wh.plan_model(_annotate(_llama(), {"model": "llama"}), 2)
+        assert splitrules.split_rule_for(LlamaMLP) is mine  # loading whale.parallel.split_hf keeps it
+    finally:
+        splitrules._RULES.pop(LlamaMLP, None)
+        splitrules._DIM_SIZES.pop(LlamaMLP, None)
+        if saved[0] is not None:
+            splitrules._register_builtin(LlamaMLP, saved[0])
+        elif "whale.parallel.split_hf" in splitrules._LOADED:
+            from whale.parallel.split_hf import shard_llama_mlp
+
+            splitrules._register_builtin(LlamaMLP, shard_llama_mlp)

@@ -18,6 +18,9 @@ data-parallel share, possibly uneven); a split part needs every row of the group
   over the group -- ``copy_to_group`` in a column-sharded Linear -- so the gradient arriving here is complete
   on every rank; summing again would count it n times.) Bytes per rank: forward ``n x max(rows) x m x
   itemsize`` (the gathered rows, padded: gloo needs equal sizes), backward none, where m = elements per row.
+  A call with more than one argument first checks that every rank bridges the same arguments (one all-gather
+  of n x 64 int64; a mask given on some ranks and ``None`` on others raises :class:`~whale.splitrules.SplitError`
+  on every rank, naming the argument, rather than mismatching collectives); a one-argument call skips it.
 - **out** (split -> replicate): each rank keeps its own rows of every output tensor with the group's rows (dim
   0 == their sum; a tuple's other entries, e.g. ``None``, pass as they are). Backward: all-gather of the row
   gradients, ``n x max(rows) x m' x itemsize``.
@@ -168,6 +171,11 @@ class SplitRegion(nn.Module):
         y = self.sharded(*args, **kwargs)
         if self.sharded_output:
             return ShardedLogits(y, self.sharded.shard_start, self.group, self.sharded.out_features)
+        if not any(t.dim() and len(t) == total for t in _tensors(y)):
+            raise TypeError(
+                f"{type(self.sharded).__name__} under split returned {type(y).__name__} with no tensor holding the "
+                f"split group's {total} rows (dim 0), so no rank's own rows can be handed back; return a tensor, "
+                "or a plain tuple, list or dict of them")
         return _map(y, lambda t: _BridgeOut.apply(t, self.group, self.rows) if t.dim() and len(t) == total else t)
 
     def _agree(self, args, kwargs, local: int) -> None:
