@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,6 +185,17 @@ def test_gpt2_attention_is_refused_with_a_reason():
     wh.annotate(model, {"transformer": rep, "lm_head": rep, "transformer.h.*.attn": sp})
     with pytest.raises(wh.SplitError, match=r"transformer.h.0.attn.*fused q\|k\|v"):
         wh.plan_model(model, 2)
+
+
+def test_planning_a_transformers_model_imports_no_runtime():
+    code = ("import sys, whale as wh\nfrom tests.test_hf_split import _llama, _annotate\n"
+            "print(wh.plan_model(_annotate(_llama(), {'model': 'llama'}), 2))\n"
+            "print('LOADED', sorted(m for m in sys.modules if m.startswith(('whale.runtime', 'whale.parallel'))))\n")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout and "nested split(2)" in out.stdout
 
 
 def test_unit_shards_round_weights_to_whole_heads():

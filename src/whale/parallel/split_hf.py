@@ -32,7 +32,10 @@ that are whole multiples of a unit (:func:`whale.splitrules_hf.unit_shards`; not
 
 Communication per module and step (N rows, fp32, as in :mod:`whale.parallel.split`): forward all-reduce of
 N x hidden x 4 bytes (o_proj / down_proj / c_proj); backward one all-reduce of the input gradient per
-column-sharded projection (N x hidden x 4 each: 3 for attention, 2 for the Llama MLP, 1 for GPT-2's).
+column-sharded projection (N x hidden x 4 each: 3 for attention, 2 for the Llama MLP, 1 for GPT-2's). Around
+each region the bridges of :mod:`whale.parallel.bridge` gather the rows of the data-parallel ranks: for
+attention also its keyword tensors (the mask, the rotary ``cos``/``sin`` expanded to the rows, position ids),
+after one small all-gather checking that every rank passes the same kinds of arguments.
 
 Limitations: attention dropout inside the kernel draws from the split group's stream (the same mask on every
 shard's heads, see :mod:`whale.runtime.rng`), so equality with one process needs ``attention_dropout=0``;
@@ -56,10 +59,6 @@ from whale.splitrules_hf import HF_TYPES, kv_heads, unit_shards
 __all__ = ["shard_llama_mlp", "shard_llama_attention", "shard_gpt2_mlp", "Conv1DColumn", "Conv1DRow"]
 
 
-def _where(module: nn.Module) -> str:
-    return f"{_name(type(module))}"
-
-
 def _with(module: nn.Module, **children: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` whose named children are replaced (the original is not modified)."""
     clone = copy.copy(module)
@@ -80,7 +79,7 @@ def shard_llama_mlp(module: nn.Module, group, sizes=None, **ctx) -> nn.Module:
     """
     n = group_size(group)
     feats = unit_shards(module.gate_proj.out_features, n, ctx.get("weights"), sizes, 1, "intermediate features",
-                        _where(module))
+                        _name(type(module)))
     gate = ColumnParallelLinear(module.gate_proj, group, feats)
     return _with(module, gate_proj=gate, up_proj=ColumnParallelLinear(module.up_proj, group, feats),
                  down_proj=RowParallelLinear(module.down_proj, group, feats))
@@ -99,7 +98,7 @@ def shard_llama_attention(module: nn.Module, group, sizes=None, **ctx) -> nn.Mod
     """
     units, groups, hd = kv_heads(module)
     heads = unit_shards(units, group_size(group), ctx.get("weights"), sizes, groups * hd,
-                        "key/value heads (with their query heads)", _where(module))
+                        "key/value heads (with their query heads)", _name(type(module)))
     q = [u * groups * hd for u in heads]
     kv = [u * hd for u in heads]
     return _with(module, q_proj=ColumnParallelLinear(module.q_proj, group, q),
@@ -169,7 +168,7 @@ def shard_gpt2_mlp(module: nn.Module, group, sizes=None, **ctx) -> nn.Module:
         SplitError: fewer intermediate features than ranks, or bad ``sizes``.
     """
     feats = unit_shards(module.c_fc.nf, group_size(group), ctx.get("weights"), sizes, 1, "intermediate features",
-                        _where(module))
+                        _name(type(module)))
     return _with(module, c_fc=Conv1DColumn(module.c_fc, group, feats), c_proj=Conv1DRow(module.c_proj, group, feats))
 
 
