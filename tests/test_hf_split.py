@@ -1,6 +1,6 @@
 """split on Hugging Face ``transformers`` models: a tiny Llama with every layer's attention and MLP sharded
-(nested in the replicate that holds the rest, or beside it) trains as one process does; GPT-2's MLP too; bad
-head counts and sizes are refused at plan time with a SplitError naming the module.
+(nested in the replicate that holds the rest, or beside it) trains as one process does; GPT-2's attention (fused
+q|k|v) and MLP too; bad head counts and sizes are refused at plan time with a SplitError naming the module.
 
 Every distributed check compares with a ``copy.deepcopy`` trained by plain PyTorch (AdamW lr 1e-3, 3 steps,
 token-mean cross-entropy with ignored labels): losses at every step and the consolidated parameters at the end,
@@ -41,9 +41,10 @@ def _llama(heads=4, kv=2, attn="sdpa"):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _gpt2():
+def _gpt2(attn="sdpa"):
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = attn
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -58,7 +59,7 @@ def _annotate(model, spec):
     if not spec.get("nested", True):
         sp = wh.split(count)
     layers = "model.layers.*" if spec["model"] == "llama" else "transformer.h.*"
-    parts = {"llama": ("mlp", "self_attn"), "gpt2": ("mlp",)}[spec["model"]]
+    parts = {"llama": ("mlp", "self_attn"), "gpt2": ("mlp", "attn")}[spec["model"]]
     rest = {name: rep for name, _ in model.named_children()}
     return wh.annotate(model, {**rest, **{f"{layers}.{p}": sp for p in parts}})
 
@@ -81,7 +82,8 @@ def _batches(spec, steps=3):
 
 def _train(rank, world, spec):
     ctx = wh.init(wh.Config(load_shares=spec.get("shares"), seed=0))
-    model = _llama(*spec.get("heads", (4, 2)), spec.get("attn", "sdpa")) if spec["model"] == "llama" else _gpt2()
+    attn = spec.get("attn", "sdpa")
+    model = _llama(*spec.get("heads", (4, 2)), attn) if spec["model"] == "llama" else _gpt2(attn)
     ref = copy.deepcopy(model)
     _annotate(model, spec)
     plan = _with_shard_weights(wh.plan_model(model, world, ctx.config), spec.get("shard_weights"))
@@ -150,10 +152,15 @@ def test_llama_split_nested_in_data_parallel_replicas():
     assert plan.num_replicas == 2 and plan.stage_width == 2
 
 
-def test_gpt2_split_mlp_matches_one_process():
-    results = run_ranks(_train, 2, {"model": "gpt2", "batch": 8, "shard_weights": (3, 1)}, timeout=120)
-    _check(results, regions=2)
-    assert results[0]["shards"]["transformer.h.0.mlp.sharded.c_fc"] == (96, 32)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gpt2_split_attention_and_mlp_match_one_process(attn):
+    spec = {"model": "gpt2", "batch": 8, "shard_weights": (3, 1), "attn": attn, "padding": attn == "eager"}
+    results = run_ranks(_train, 2, spec, timeout=120)
+    _check(results, regions=4)
+    shards = results[0]["shards"]
+    assert shards["transformer.h.0.mlp.sharded.c_fc"] == (96, 32)
+    assert shards["transformer.h.0.attn.sharded.c_attn"] == (72, 24)  # q|k|v of 3 and 1 heads of 8
+    assert shards["transformer.h.1.attn.sharded.c_proj"] == (24, 8)
 
 
 # --- plan time: refusals, no processes -------------------------------------------------------------------
@@ -177,14 +184,10 @@ def test_three_kv_heads_over_four_devices_refused_and_sizes_not_whole_heads_refu
         unit_shards(3, 2, sizes=[24, 24], unit=16, what="key/value heads", where="module 'attn'")
 
 
-def test_gpt2_attention_is_refused_with_a_reason():
-    model = _gpt2()
-    with wh.replicate() as rep:
-        with wh.split() as sp:
-            pass
-    wh.annotate(model, {"transformer": rep, "lm_head": rep, "transformer.h.*.attn": sp})
-    with pytest.raises(wh.SplitError, match=r"transformer.h.0.attn.*fused q\|k\|v"):
-        wh.plan_model(model, 2)
+def test_gpt2_too_few_heads_refused_at_plan_time():
+    model = _annotate(_gpt2(), {"model": "gpt2"})
+    with pytest.raises(wh.SplitError, match=r"over 8 devices .*transformer.h.0.attn.*GPT2Attention.*it has 4"):
+        wh.plan_model(model, 8)
 
 
 def test_planning_a_transformers_model_imports_no_runtime():

@@ -7,13 +7,13 @@ Whale nor ``whale plan`` imports ``transformers`` for other models), it imports 
 sharded modules themselves are in :mod:`whale.parallel.split_hf`, which uses the helpers below so that the plan
 and the runtime agree.
 
-Units. A Llama attention is cut by whole key/value heads, each with the ``num_key_value_groups`` query heads
-that attend with it (grouped-query attention keeps its grouping on every shard); a Llama or GPT-2 MLP by
-intermediate features. Shard sizes in units come from the split's shard weights by Whale's one apportionment
-(:func:`whale.plan.balance.proportional_shares`: largest remainder, every shard at least one unit), so
-hardware-aware shares are rounded to whole key/value heads. Explicit element sizes (``shard_module(...,
-sizes=...)``) must be whole multiples of a unit; they are never rounded (that would silently change the split
-asked for): anything else is refused with :class:`~whale.splitrules.SplitError`.
+Units. A Llama attention is cut by whole key/value heads, each with the ``num_key_value_groups`` query heads that
+attend with it (grouped-query attention keeps its grouping on every shard); a GPT-2 attention by whole heads
+(self-attention only); a Llama or GPT-2 MLP by intermediate features. Shard sizes in units come from the split's
+shard weights by Whale's one apportionment (:func:`whale.plan.balance.proportional_shares`: largest remainder,
+every shard at least one unit), so hardware-aware shares are rounded to whole key/value heads. Explicit element
+sizes (``shard_module(..., sizes=...)``) must be whole multiples of a unit; they are never rounded (that would
+silently change the split asked for): anything else is refused with :class:`~whale.splitrules.SplitError`.
 """
 
 from __future__ import annotations
@@ -99,11 +99,12 @@ def _gpt2_mlp_dims(mlp: nn.Module, fqn: str, n: int) -> None:
     _bound(mlp.c_fc, fqn, "intermediate features (c_fc's nf)", mlp.c_fc.nf, n, note=", a GPT-2 MLP")
 
 
-def _gpt2_attention_refused(attn: nn.Module, fqn: str, n: int) -> None:
-    raise SplitError(
-        f"split over {n} devices cannot shard {_where(fqn)} ({_name(type(attn))}): its fused q|k|v projection "
-        "(c_attn) would need a shard layout of three blocks, which Whale's consolidation does not have yet; keep "
-        "GPT-2 attention outside the split (split its mlp) or register a rule with whale.register_split_rule")
+def _gpt2_attention_dims(attn: nn.Module, fqn: str, n: int) -> None:
+    where = f"{_where(fqn)} ({_name(type(attn))})"
+    if getattr(attn, "is_cross_attention", False):
+        raise SplitError(f"split over {n} devices cannot shard {where}: cross-attention (q_attn) has no split "
+                         "rule; keep it outside the split or register one with whale.register_split_rule")
+    unit_shards(attn.num_heads, n, what="attention heads (config.n_head)", where=where)
 
 
 def _types() -> dict[str, tuple]:
@@ -112,7 +113,7 @@ def _types() -> dict[str, tuple]:
         "transformers.models.llama.modeling_llama:LlamaAttention": _attention_dims,
         "transformers.models.llama.modeling_llama:LlamaMLP": _gated_mlp_dims,
         "transformers.models.gpt2.modeling_gpt2:GPT2MLP": _gpt2_mlp_dims,
-        "transformers.models.gpt2.modeling_gpt2:GPT2Attention": _gpt2_attention_refused,
+        "transformers.models.gpt2.modeling_gpt2:GPT2Attention": _gpt2_attention_dims,
     }
 
 
