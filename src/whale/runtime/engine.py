@@ -31,6 +31,7 @@ from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
+from whale.runtime.local import local_work
 from whale.runtime.mesh import Mesh
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.rng import RankStreams
@@ -69,7 +70,7 @@ class Engine:
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
         self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
-        self._batch_checks = {"step": 3, "eval": 1}  # first calls: every rank was given the same global batch
+        self._batch_checks = {"step": 3, "eval": 1, "local": 3, "local_eval": 1}  # first calls (see _checked_...)
         self._rows = 0  # this lane's rows in the latest step
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
@@ -210,8 +211,41 @@ class Engine:
                 given different batches; every rank raises, none is left waiting.
         """
         start = time.perf_counter()
-        before = self.grad_sync.bytes_reduced
         work = self._checked_micro_batches(batch, "step")
+        return self._train(work, start, batch_size(batch))
+
+    def step_local(self, batch, global_batch: int) -> dict:
+        """One optimizer step, each rank given only ITS OWN rows of the global batch: the same step (same
+        losses, gradients and update) as :meth:`step` on the whole global batch.
+
+        Args:
+            batch: ``(inputs, target)`` with this rank's lane's rows in the order of :func:`whale.local_rows`
+                (what :class:`whale.PlanSampler` yields). Stage 0 reads only ``inputs``, the last stage only
+                ``target`` (the other may be ``None``); a middle pipeline stage passes ``None``.
+            global_batch: rows of the global batch (all lanes together), equal on every rank; rows and a
+                token-weighted loss (:class:`whale.loss.SumOverCount`) are normalised over it (the count of
+                terms is summed over the last stage's lanes: one small all-reduce there per step).
+
+        Returns:
+            as :meth:`step` (``"samples"`` is ``global_batch``).
+
+        Raises:
+            PlanError: ``global_batch`` does not divide into micro-batches or leaves a lane empty.
+            BatchError: a local batch that is not this rank's share (wrong rows; a missing input or target),
+                ranks given different ``global_batch`` (checked on the first 3 steps and after a plan change:
+                every rank raises, none is left waiting), or a model ending in class-sharded logits (its loss
+                needs the split group's targets: use :meth:`step`).
+        """
+        start = time.perf_counter()
+        return self._train(self._local_work(batch, global_batch, "local"), start, global_batch)
+
+    def _local_work(self, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:
+        """This rank's micro-batches from its local rows (:func:`whale.runtime.local.local_work`)."""
+        return local_work(self, batch, global_batch, kind, metrics)
+
+    def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
+        """Run the schedule on ``work``, reduce gradients and update: the body of :meth:`step`."""
+        before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
@@ -229,7 +263,7 @@ class Engine:
             self.rebalance()
         self.last_timeline = result.timeline
         out = {"loss": loss, "step_time": time.perf_counter() - start, "schedule_time": schedule_time,
-               "busy_time": result.busy, "samples": batch_size(batch), "stage": self.stage, "lane": self.lane,
+               "busy_time": result.busy, "samples": samples, "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
@@ -266,13 +300,23 @@ class Engine:
         Returns:
             ``{"loss": mean over the global batch, **metrics}``.
         """
+        return self._evaluate(lambda: self._checked_micro_batches(batch, "eval", metrics), metrics)
+
+    @torch.no_grad()
+    def eval_step_local(self, batch, global_batch: int, metrics: dict[str, Callable] | None = None) -> dict:
+        """:meth:`eval_step` with each rank given only its own rows, as in :meth:`step_local` (same arguments,
+        result and errors)."""
+        return self._evaluate(lambda: self._local_work(batch, global_batch, "local_eval", metrics), metrics)
+
+    def _evaluate(self, make_work: Callable[[], MicroBatches], metrics: dict | None) -> dict:
+        """Run the forwards on ``make_work()`` with every module in eval mode; sum loss and metrics globally."""
         roots = (self.module, self._model)
         modes = [(m, m.training) for r in roots for m in r.modules()]  # the user's own modes come back afterwards
         for r in roots:
             r.eval()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
-            result = self.executor.run(forwards, self._checked_micro_batches(batch, "eval", metrics), train=False)
+            result = self.executor.run(forwards, make_work(), train=False)
         finally:
             for m, training in modes:
                 m.training = training
@@ -290,7 +334,13 @@ class Engine:
             The new plan (also ``self.plan``).
         """
         self.plan = self.history.rebalance(self.plan, self.lane, self.world_size)
+        self._recheck_local()
         return self.plan
+
+    def _recheck_local(self) -> None:
+        """New shares: the next local batches are checked collectively again (a loader still on the old
+        shares then stops every rank with a BatchError)."""
+        self._batch_checks.update(local=3, local_eval=1)
 
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy seconds and the schedule's makespan over the last 20 steps, with
@@ -321,4 +371,5 @@ class Engine:
         restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
         self.steps_done = restored.step
         self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights)
+        self._recheck_local()
         return restored.extra
