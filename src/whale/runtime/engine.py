@@ -31,7 +31,7 @@ from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
-from whale.runtime.local import local_work
+from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.rng import RankStreams
@@ -127,23 +127,26 @@ class Engine:
         self.grad_sync.scheduler = device  # bucket all-reduces start at their emulated times
 
     # --- stepping ----------------------------------------------------------------------------------------
-    def _micro_batches(self, batch, metrics: dict | None = None) -> MicroBatches:
-        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
-        inputs, target = batch
-        total = batch_size(batch)
+    def _micro_batches(self, batch, metrics: dict | None = None, global_batch: int | None = None) -> MicroBatches:
+        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows; with
+        ``global_batch``, ``batch`` holds only this lane's rows (:meth:`step_local`; a token-weighted loss's
+        scales are then set by :func:`whale.runtime.local.local_work`, after the global count)."""
+        inputs, target = batch if batch is not None else (None, None)
+        total = batch_size(batch) if global_batch is None else global_batch
         rows = self.plan.micro_batch_rows(total)
         self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
         dev = self.ctx.device
-
-        def take(x, a, b):
-            """Rows a:b of x, on this rank's device."""
-            return slice_rows(x, a, b, total, dev)
-
         last = self.stage == self.plan.num_stages - 1
+        if global_batch is None:
+            def take(x, a, b):
+                """Rows a:b of x, on this rank's device."""
+                return slice_rows(x, a, b, total, dev)
+        else:  # rows a:b of the global batch are at a local offset (checks the local batch's rows)
+            take = local_take(batch, rows[self.lane], self.stage == 0, last, dev, f"lane {self.lane}")
         row_scales = [(b - a) / total for a, b in loss_rows]
-        if isinstance(self.loss_fn, SumOverCount):  # token-weighted: sums over terms / terms of the global batch
+        if isinstance(self.loss_fn, SumOverCount) and global_batch is None:  # token-weighted: / global terms
             count = self.loss_fn.count(target)
             scales = [1.0 / count if count else 0.0] * len(loss_rows)
         else:  # a per-sample mean: weighted by rows

@@ -10,17 +10,18 @@ together hold every target row exactly once (:func:`global_count`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from whale.loss import SumOverCount
 from whale.parallel.pipeline import MicroBatches
-from whale.plan.plan import Plan, PlanError
+from whale.plan.plan import PlanError
 from whale.runtime.batch import BatchError, slice_rows, tensors
 
 
-def _check_rows(what: str, x, rows: int, where: str, keyword: bool) -> None:
+def _check_rows(what: str, x, rows: int, lane: str, keyword: bool) -> None:
     """Raise BatchError unless ``x`` holds ``rows`` rows (every tensor; for keyword inputs, at least one)."""
     ts = [t for t in tensors(x) if t.dim()]
     fits = [t for t in ts if t.size(0) == rows]
@@ -28,45 +29,39 @@ def _check_rows(what: str, x, rows: int, where: str, keyword: bool) -> None:
         return
     shapes = ", ".join(str(tuple(t.shape)) for t in tensors(x)) or "no tensor"
     raise BatchError(
-        f"{where} needs its local {what} with {rows} rows (its lane's share of every micro-batch, one after "
+        f"step_local: {lane} needs its local {what} with {rows} rows (its lane's share of every micro-batch, one after "
         f"another) but was given {shapes}. Load the rows with whale.PlanSampler / whale.local_rows for this plan "
         "and global batch, or pass the whole global batch to engine.step instead of step_local")
 
 
-def local_micro_batches(plan: Plan, stage: int, lane: int, batch, global_batch: int, device: torch.device,
-                        metrics: dict | None = None) -> tuple[MicroBatches, list[list[tuple[int, int]]]]:
-    """This rank's micro-batches from its local rows, and the plan's global rows (for the split bridges).
+def local_take(batch, lane_rows: list[tuple[int, int]], first: bool, last: bool, device: torch.device,
+               where: str) -> Callable:
+    """``take(x, a, b)``: rows ``a:b`` of the GLOBAL batch, read from ``x``, a local batch holding this lane's
+    ``lane_rows`` (per micro-batch ``(start, stop)`` in the global batch) one after another, on ``device``.
 
     Args:
-        batch: ``(inputs, target)`` holding this lane's rows of the global batch in :func:`local_rows` order;
-            stage 0 reads ``inputs``, the last stage ``target``; the other may be ``None``, and a middle stage
-            may pass ``None`` for the whole batch.
-        global_batch: rows of the global batch (all lanes together).
-
-    Returns:
-        ``(work, rows)``: ``work.scales`` weighs each micro-batch by ``rows / global_batch`` (a token-weighted
-        loss rescales them once the global count is known, :func:`global_count`).
+        batch: ``(inputs, target)`` of local rows; stage 0 (``first``) reads ``inputs``, the last stage
+            ``target``; the other may be ``None``, and a middle stage may pass ``None`` for the whole batch.
 
     Raises:
-        PlanError: ``global_batch`` does not divide into micro-batches or leaves a lane empty.
         BatchError: stage 0 without inputs or the last stage without a target, or a local batch whose rows are
             not this lane's share.
     """
-    rows = plan.micro_batch_rows(global_batch)
-    shares = [b - a for a, b in rows[lane]]
-    n, first, last = sum(shares), stage == 0, stage == plan.num_stages - 1
+    n = sum(b - a for a, b in lane_rows)
     inputs, target = batch if batch is not None else (None, None)
-    where = f"stage {stage}, lane {lane} (step_local, global batch {global_batch})"
     if first:
         _check_rows("inputs", inputs, n, where, isinstance(inputs, dict))
     if last:
         _check_rows("target", target, n, where, False)
-    offsets = [sum(shares[:i]) for i in range(len(shares))]
-    spans = [(o, o + s) for o, s in zip(offsets, shares, strict=True)]
-    row_scales = [s / global_batch for s in shares]
-    return MicroBatches(inputs=[slice_rows(inputs, a, b, n, device) for a, b in spans] if first else [],
-                        targets=[slice_rows(target, a, b, n, device) for a, b in spans] if last else [],
-                        scales=row_scales, metric_fns=metrics or {}, metric_scales=row_scales), rows
+    local, offset = {}, 0
+    for a, b in lane_rows:
+        local[(a, b)] = (offset, offset + b - a)
+        offset += b - a
+
+    def take(x, a: int, b: int):
+        """Global rows a:b of x (this lane's), on ``device``."""
+        return slice_rows(x, *local[(a, b)], n, device)
+    return take
 
 
 def global_count(local: float, group, device: torch.device) -> float:
@@ -106,12 +101,15 @@ def agree_on_global_batch(global_batch: int, world_size: int, device: torch.devi
 
 def local_work(engine, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:
     """The work of ``engine`` (a :class:`whale.Engine`) for one :meth:`~whale.Engine.step_local` (``kind``
-    ``"local"``) or :meth:`~whale.Engine.eval_step_local` (``"local_eval"``): :func:`local_micro_batches`,
+    ``"local"``) or :meth:`~whale.Engine.eval_step_local` (``"local_eval"``): its micro-batches read from local
+    rows (``engine._micro_batches`` with :func:`local_take`),
     agreed on by every rank on the engine's first checked calls of that kind (:func:`agree_on_global_batch`),
     with a token-weighted loss normalised by the global count (:func:`global_count`, last stage).
 
     Raises:
-        BatchError, PlanError: as :func:`local_micro_batches`; also for a model ending in class-sharded logits.
+        PlanError: ``global_batch`` does not divide into micro-batches or leaves a lane empty.
+        BatchError: as :func:`local_take`; ranks passing different ``global_batch``; a model ending in
+            class-sharded logits.
     """
     work, error = None, None
     try:
@@ -119,9 +117,7 @@ def local_work(engine, batch, global_batch: int, kind: str, metrics: dict | None
             raise BatchError("step_local / eval_step_local cannot run a model ending in class-sharded logits "
                              "(a split head): each rank's loss covers its split group's rows; pass the global "
                              "batch to engine.step / eval_step")
-        work, rows = local_micro_batches(engine.plan, engine.stage, engine.lane, batch, global_batch,
-                                         engine.ctx.device, metrics)
-        engine.split.start_step(engine.plan, rows, engine.lane)
+        work = engine._micro_batches(batch, metrics, global_batch)
     except (BatchError, PlanError) as exc:
         error = exc
     if engine._batch_checks[kind]:
@@ -129,7 +125,6 @@ def local_work(engine, batch, global_batch: int, kind: str, metrics: dict | None
         agree_on_global_batch(global_batch, engine.world_size, engine.ctx.device, error)
     elif error is not None:
         raise error
-    engine._rows = sum(b - a for a, b in rows[engine.lane])  # this lane's rows (for the step history)
     if isinstance(engine.loss_fn, SumOverCount) and engine.stage == engine.plan.num_stages - 1:
         count = global_count(engine.loss_fn.count(batch[1]), engine.mesh.lanes, engine.ctx.device)
         work = dataclasses.replace(work, scales=[1.0 / count if count else 0.0] * len(work.scales))
