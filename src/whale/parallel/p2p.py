@@ -7,6 +7,12 @@ dtypes, ``requires_grad``, and any non-tensor values inline) followed by one mes
 later micro-batches have the same description (the sender checks), so they send their tensors alone.
 Gradients flow back without a header: both sides know their shapes.
 
+The header does not delay the step's first tensors: the receiver posts their receives together with the
+header's, from the previous step's description (``guess``; both ends keep it). When the description changed
+(another batch size, train then eval), the sender first sends placeholders of the previous description's
+shapes, which the receiver's early receives take and drop, then the real tensors (:func:`send_values` with
+``previous``).
+
 Receives are posted ahead (:class:`PendingRecv`): a stage posts the receive of micro-batch m+1's inputs as soon
 as m's arrived (micro-batches of one step have equal shapes, so the previous header tells the sizes) and the
 receive of m's output gradients right after sending m's outputs. A sender then finds its receiver ready and
@@ -43,13 +49,16 @@ def _describe(values: tuple) -> list:
     return meta
 
 
-def send_values(values: tuple, dst: int, device: torch.device, expect: list | None = None) -> tuple[list, list]:
+def send_values(values: tuple, dst: int, device: torch.device, expect: list | None = None,
+                previous: list | None = None) -> tuple[list, list]:
     """Start sending ``values`` to global rank ``dst``; returns ``(pending works, description)`` (keep the works
     until done).
 
-    Without ``expect`` (a step's first micro-batch) a header with the description goes first. With ``expect``
-    (the description sent for this step's first micro-batch) no header is sent: the receiver already posted
-    the tensor receives from that description (:class:`PendingRecv` with ``expect``).
+    Without ``expect`` (a step's first micro-batch) a header with the description goes first; ``previous``
+    (the description of the previous step's first transfer to ``dst``, which the receiver passes to
+    :class:`PendingRecv` as ``guess``) adds placeholders of its shapes when the description changed. With
+    ``expect`` (the description sent for this step's first micro-batch) no header is sent: the receiver
+    already posted the tensor receives from that description (:class:`PendingRecv` with ``expect``).
 
     Raises:
         TransferError: a value that cannot be sent, a description over the header's size, or values whose
@@ -65,6 +74,8 @@ def send_values(values: tuple, dst: int, device: torch.device, expect: list | No
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
         header[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         works.append((dist.isend(header, dst), header))
+        if previous is not None and meta != previous:  # the receiver's early receives take these and drop them
+            works += _placeholders(previous, dst, device)
     elif meta != expect:
         raise TransferError(f"stage boundary values changed between micro-batches of one step ({expect} then "
                             f"{meta}); every micro-batch must pass values of the same shapes")
@@ -75,21 +86,34 @@ def send_values(values: tuple, dst: int, device: torch.device, expect: list | No
     return works, meta
 
 
+def _placeholders(meta: list, dst: int, device: torch.device) -> list:
+    """Send one uninitialised tensor per tensor of ``meta`` (its shape and dtype) to ``dst``."""
+    works = []
+    for m in meta:
+        if m[0] == "t":
+            t = torch.empty(m[1], dtype=m[2], device=device)
+            works.append((dist.isend(t, dst), t))
+    return works
+
+
 class PendingRecv:
     """A posted receive of one :func:`send_values` transfer from ``src``.
 
-    Without ``expect`` the header is received first and tells the tensors to receive. With ``expect`` (the
-    description of this step's first micro-batch, which the sender checks its values against) the tensor
-    receives are posted at once and no header is awaited: one header per step, not per micro-batch.
+    Without ``expect`` the header is received first and tells the tensors to receive; with ``guess`` (the
+    description of the previous step's first transfer from ``src``) the tensor receives are posted at once
+    beside the header's, and re-posted only when the header differs. With ``expect`` (the description of this
+    step's first micro-batch, which the sender checks its values against) the tensor receives are posted at
+    once and no header is awaited: one header per step, not per micro-batch.
     """
 
-    def __init__(self, src: int, device: torch.device, expect: list | None = None) -> None:
-        self.src, self.device, self.expect = src, device, expect
+    def __init__(self, src: int, device: torch.device, expect: list | None = None, guess: list | None = None) -> None:
+        self.src, self.device, self.expect, self.guess = src, device, expect, guess
         self.header = self.work = None
         if expect is None:
             self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
             self.work = dist.irecv(self.header, src)
-        self.tensors = _post(expect, src, device) if expect is not None else None
+        early = expect if expect is not None else guess
+        self.tensors = _post(early, src, device) if early is not None else None
 
     def wait(self) -> tuple[tuple, list]:
         """The received values and their description. Float tensors that required grad on the sender come
@@ -97,7 +121,10 @@ class PendingRecv:
         if self.work is not None:
             self.work.wait()
             meta = pickle.loads(self.header.cpu().numpy().tobytes())
-            self.tensors = _post(meta, self.src, self.device)
+            if meta != self.guess:  # changed (or no guess): drop the placeholders, receive the real tensors
+                for _, work in self.tensors or []:
+                    work.wait()
+                self.tensors = _post(meta, self.src, self.device)
         else:
             meta = self.expect
         out, tensors = [], iter(self.tensors)

@@ -129,6 +129,7 @@ class StageExecutor:
         self.module, self.links, self.loss_fn, self.device = module, links, loss_fn, device
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
+        self._first_meta: dict[str, list | None] = {"sent": None, "received": None}  # previous step's headers
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
@@ -151,8 +152,11 @@ class StageExecutor:
         return result
 
     def _receive(self, mb: int, m: int, state: _InFlight) -> tuple:
-        pending = state.next_inputs or p2p.PendingRecv(self.links.prev_rank, self.device)
+        pending = state.next_inputs or p2p.PendingRecv(self.links.prev_rank, self.device,
+                                                       guess=self._first_meta["received"])
         inputs, meta = pending.wait()
+        if mb == 0:
+            self._first_meta["received"] = meta
         state.next_inputs = p2p.PendingRecv(self.links.prev_rank, self.device, meta) if mb + 1 < m else None
         return inputs
 
@@ -167,7 +171,9 @@ class StageExecutor:
                 out = self._loss(mb, out, work, result)
         self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
         if not links.is_last:
-            works, state.sent_meta = p2p.send_values(out, links.next_rank, self.device, state.sent_meta)
+            works, state.sent_meta = p2p.send_values(out, links.next_rank, self.device, state.sent_meta,
+                                                     self._first_meta["sent"])
+            self._first_meta["sent"] = state.sent_meta
             state.sends += works
         if grad:
             posted = p2p.post_grads(out, links.next_rank) if not links.is_last else []
