@@ -72,6 +72,7 @@ class Engine:
         self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
         self._batch_checks = {"step": 3, "eval": 1, "local": 3, "local_eval": 1}  # first calls (see _checked_...)
         self._rows = 0  # this lane's rows in the latest step
+        self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
@@ -176,7 +177,13 @@ class Engine:
                 and self.grad_sync.can_carry_extra)  # never in a bf16/fp16 bucket: the loss stays fp32
 
     def _arm(self, loss_sum: float) -> None:
+        """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
+        stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
+        stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
+        backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
+        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params:
+            self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
     def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
@@ -254,7 +261,8 @@ class Engine:
         schedule_time = time.perf_counter() - start
         fused = self._fuse_loss()
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
-        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps clipping and the update
+        loss_sum = None if fused else self._loss_started or self._start_sum([result.loss_sum])  # overlaps the update
+        self._loss_started = None
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
