@@ -18,7 +18,7 @@ import torch.distributed as dist
 from whale.loss import SumOverCount
 from whale.parallel.pipeline import MicroBatches
 from whale.plan.plan import PlanError
-from whale.runtime.batch import BatchError, slice_rows, tensors
+from whale.runtime.batch import BatchError, agree_on, slice_rows, tensors
 
 
 def _check_rows(what: str, x, rows: int, lane: str, keyword: bool) -> None:
@@ -77,26 +77,19 @@ def global_count(local: float, group, device: torch.device) -> float:
 def agree_on_global_batch(global_batch: int, world_size: int, device: torch.device,
                           error: Exception | None = None) -> None:
     """Collective: raise on EVERY rank when some rank's local batch was refused (``error``, raised locally
-    before any communication) or the ranks disagree on ``global_batch``. One all-reduce of 3 float64 values.
+    before any communication) or the ranks disagree on ``global_batch``. One all-reduce of 3 float64 values
+    (:func:`whale.runtime.batch.agree_on`).
 
     Raises:
         the rank's own ``error``; BatchError on the other ranks, naming the problem and the fix.
     """
-    if world_size == 1:
-        if error is not None:
-            raise error
-        return
-    flags = torch.tensor([float(error is not None), float(global_batch), -float(global_batch)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if flags[0] > 0:
+    other_failed, high, low = agree_on([float(global_batch)], world_size, device, error)
+    if other_failed:
         raise BatchError("another rank's local batch was refused (see its error): every rank must pass its own "
                          "rows of the same global batch to engine.step_local")
-    if flags[1] != -flags[2]:
+    if high[0] != low[0]:
         raise BatchError(f"the ranks passed different global_batch sizes to engine.step_local (between "
-                         f"{int(-flags[2])} and {int(flags[1])}): pass the same global batch size on every rank")
+                         f"{int(low[0])} and {int(high[0])}): pass the same global batch size on every rank")
 
 
 def local_work(engine, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:

@@ -104,6 +104,11 @@ class PlanSampler(Sampler[list[int]]):
 
     @plan.setter
     def plan(self, plan: Plan) -> None:
+        """Follow ``plan``'s shares from the next global batch on.
+
+        Raises:
+            PlanError: the global batch does not divide into ``plan``'s micro-batches or leaves a lane empty.
+        """
         self._positions = local_rows(plan, self.rank, self.global_batch)  # raises PlanError first
         self._plan = plan
         stage, _ = plan.coords(self.rank)
