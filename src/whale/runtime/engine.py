@@ -51,6 +51,8 @@ class Engine:
         optimizer: a callable ``params -> Optimizer``, or a fresh optimizer over ``model.parameters()``
             (kept and re-pointed at this rank's parameters: its groups and LR schedulers drive training).
         ctx: this rank's context (:func:`whale.init`).
+        stages: the pipeline's stage modules as the front end cut them for ``plan`` in this process (empty:
+            rebuilt from the plan's cut).
 
     Attributes:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
@@ -65,7 +67,8 @@ class Engine:
         SplitError: a split module has no sharding rule.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer, ctx: Context) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer, ctx: Context,
+                 stages: tuple = ()) -> None:
         if plan.world_size != ctx.world_size:
             raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
                              "ranks; make a plan for this world size")
@@ -81,7 +84,7 @@ class Engine:
         self.history = StepHistory()
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
-        stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
+        stage_module = build_stage(model, plan, self.stage, stages)  # checks the plan on every rank, no collective
         if plan.max_lanes > 1:
             check_batchnorms(model)  # before any process group: a refused BatchNorm stops every rank alike
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from whale.frontend import plan_model
+from whale.frontend import plan_with_stages
 from whale.plan.plan import Plan, PlanError
 from whale.runtime.context import Context, current_context
 from whale.runtime.engine import Engine
@@ -54,11 +54,12 @@ def parallelize(
         SplitError: a module under ``split`` has no sharding rule.
     """
     ctx = ctx or current_context()
-    if plan is None:
-        plan = plan_model(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
+    stages: tuple = ()
+    if plan is None:  # the stage modules the front end cut are run as they are (no second capture)
+        plan, stages = plan_with_stages(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
     else:
         check_plan_fits(plan, ctx)
-    return Engine(model, plan, loss_fn, optimizer, ctx)
+    return Engine(model, plan, loss_fn, optimizer, ctx, stages=stages)
 
 
 def check_plan_fits(plan: Plan, ctx: Context) -> None:
