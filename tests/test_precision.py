@@ -199,3 +199,102 @@ def test_the_reported_loss_is_fp32_and_unscaled(precision):
         assert isinstance(loss, float) and loss == pytest.approx(expect, rel=1e-6)
         assert eval_loss == pytest.approx(expect, rel=1e-6)  # eval runs under the same autocast
         assert abs(loss - fp32) > 4e-6 * fp32  # autocast really ran (fp16: ~1e-5 from fp32; bf16: more)
+
+
+# --- fp16 with split: an overflow in ONE rank's shard of a class-sharded head ---------------------------------
+def _fp16_split(rank, world):
+    from tests.test_split_runtime import Classifier
+
+    scale = wh.LossScale(init_scale=2.0 ** 8, growth_interval=2)
+    ctx = wh.init(wh.Config(precision="fp16", loss_scale=scale, max_grad_norm=1.0))
+    model = Classifier(classes=10)
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, wh.cross_entropy, lambda ps: torch.optim.AdamW(ps, lr=LR), ctx=ctx)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    step = [0]
+    if rank == 1:  # only this rank's shard of the head gets an inf gradient; no collective carries it
+        shard = next(p for n, p in engine.module.named_parameters() if "head" in n and n.endswith("weight"))
+        shard.register_hook(lambda g: torch.full_like(g, math.inf) if step[0] == INF_STEP else g)
+    ref.head.weight.register_hook(lambda g: torch.full_like(g, math.inf) if step[0] == INF_STEP else g)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    g = torch.Generator().manual_seed(3)
+    record = []
+    for _ in range(4):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+        out = engine.step((x, y))
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = ref(x)
+        loss = F.cross_entropy(logits.float(), y)
+        ref_opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(ref_opt)
+        scaler.update()
+        step[0] += 1
+        record.append((out["skipped"], out["loss_scale"], scaler.get_scale(), out["loss"], loss.item()))
+    full = engine.full_state_dict()
+    for name, t in full.items():
+        torch.testing.assert_close(t, ref.state_dict()[name], rtol=1e-2, atol=LR, msg=lambda m, n=name: f"{n}: {m}")
+    return record
+
+
+def test_fp16_overflow_in_one_split_shard_skips_every_rank():
+    records = run_ranks(_fp16_split, 2, timeout=120)
+    for record in records:
+        assert [r[0] for r in record] == [s == INF_STEP for s in range(4)]
+        assert [r[1] for r in record] == [r[2] for r in record] == [2.0 ** 8, 2.0 ** 9, 2.0 ** 8, 2.0 ** 8]
+        for r in record:
+            assert r[3] == pytest.approx(r[4], rel=LOSS_RTOL)
+    assert [r[:2] for r in records[0]] == [r[:2] for r in records[1]]
+
+
+# --- the scaler's state is checkpointed -----------------------------------------------------------------------
+def _scaler_checkpoint(rank, world, path):
+    def make():
+        ctx = wh.init(wh.Config(num_micro_batch=2, precision="fp16",
+                                loss_scale=wh.LossScale(init_scale=4.0, growth_interval=1)))
+        return wh.parallelize(TinyLM(stage_layers=(1, 1)), wh.token_cross_entropy(),
+                              lambda ps: torch.optim.AdamW(ps, lr=LR), ctx=ctx)
+    engine = make()
+    for batch in _padded(3, 8):
+        engine.step(batch)
+    engine.save_checkpoint(path)
+    saved = engine.state_dict()["loss_scale"]
+    again = make()
+    again.load_checkpoint(path)
+    return saved, again.state_dict()["loss_scale"], again.step(_padded(1, 8)[0])["loss_scale"]
+
+
+def test_the_loss_scale_is_saved_and_restored(tmp_path):
+    for saved, restored, next_scale in run_ranks(_scaler_checkpoint, 2, str(tmp_path), timeout=120):
+        assert saved == restored == {"scale": 32.0, "growth_tracker": 0}  # 4 * 2^3: grew every finite step
+        assert next_scale == 64.0
+
+
+# --- configuration and plan -----------------------------------------------------------------------------------
+def test_precision_is_validated_recorded_in_the_plan_and_round_trips():
+    with pytest.raises(wh.ConfigError, match="precision='fp8' is unknown"):
+        wh.Config(precision="fp8")
+    with pytest.raises(wh.ConfigError, match="backoff_factor"):
+        wh.LossScale(backoff_factor=1.5)
+    with pytest.raises(wh.ConfigError, match="growth_interval"):
+        wh.LossScale(growth_interval=0)
+    plan = wh.plan_model(TinyLM(stage_layers=(1, 1)), 4, wh.Config(num_micro_batch=2, precision="fp16"))
+    assert plan.precision == "fp16" and wh.Plan.from_json(plan.to_json()) == plan
+    assert "fp16 autocast + dynamic loss scaling" in str(plan).splitlines()[0]
+    old = plan.to_dict()
+    del old["precision"]  # a plan written before the field existed loads, as fp32
+    assert wh.Plan.from_dict(old).precision == "fp32"
+    with pytest.raises(wh.PlanError, match="precision 'bf17' is unknown"):
+        wh.Plan.from_dict({**old, "precision": "bf17"})
+
+
+def test_a_plan_for_another_precision_is_refused():
+    from whale.runtime.context import Context
+    from whale.runtime.parallelize import check_plan_fits
+
+    plan = wh.plan_model(TinyLM(), 1, wh.Config(precision="bf16"))
+    ctx = Context(config=wh.Config(), rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(wh.PlanError, match="precision 'bf16' but this job has 'fp32'"):
+        check_plan_fits(plan, ctx)

@@ -35,8 +35,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "LossScale", "OptimizerError", "Plan",
-    "PlanError", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy",
+    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "LossScale", "OptimizerError",
+    "Plan", "PlanError", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy",
     "annotate", "cross_entropy", "init", "make_schedule", "parallelize", "plan_model", "register_split_rule",
     "replicate", "set_default_strategy", "split", "token_cross_entropy",
 ]
