@@ -298,3 +298,11 @@ def test_a_plan_for_another_precision_is_refused():
     ctx = Context(config=wh.Config(), rank=0, world_size=1, device=torch.device("cpu"))
     with pytest.raises(wh.PlanError, match="precision 'bf16' but this job has 'fp32'"):
         check_plan_fits(plan, ctx)
+
+
+def test_whale_plan_command_takes_precision(capsys):
+    from whale.cli import main
+
+    rc = main(["plan", "--model", "examples.gpt.model:for_plan", "--world", "2", "--json", "--precision", "bf16",
+               "--args", "stages=1"])
+    assert rc == 0 and wh.Plan.from_json(capsys.readouterr().out).precision == "bf16"

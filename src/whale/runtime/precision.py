@@ -53,18 +53,15 @@ class DynamicLossScaler:
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
 
     def unscale_(self, grads: list[torch.Tensor]) -> float:
-        """Multiply ``grads`` by 1/scale in place; returns 1.0 when any of them holds an inf or NaN (this rank
-        only: the caller sums it over the world), else 0.0. One device sync."""
+        """Multiply ``grads`` (on the scale's device) by 1/scale in place; returns 1.0 when any of them holds an
+        inf or NaN (this rank only: the caller sums it over the world), else 0.0. One device sync."""
         found = torch.zeros(1, dtype=torch.float32, device=self.scale.device)
         inv = self.scale.double().reciprocal().float()
-        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)  # the kernel takes one dtype a call
         for g in grads:
-            groups[(g.device, g.dtype)].append(g)
-        for (device, _), group in groups.items():
-            here = found if device == found.device else torch.zeros_like(found, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv.to(device))
-            if here is not found:
-                found += here.to(found.device)
+            by_dtype[g.dtype].append(g)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
         return float(found.clamp(max=1.0))
 
     def update(self, overflow: bool) -> None:
@@ -119,12 +116,7 @@ class MixedPrecision:
         def cast(t):
             """fp32 copy of a low-precision floating tensor (autograd flows back through the cast)."""
             return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
-        if isinstance(output, torch.Tensor):
-            return cast(output)
-        try:
-            return _pytree.tree_map(cast, output)
-        except Exception:  # noqa: BLE001 - an output pytree cannot rebuild: the loss gets it as is
-            return output
+        return _pytree.tree_map(cast, output)  # unregistered types (ShardedLogits: fp32 loss anyway) are leaves
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor to call backward on: ``loss * scale`` under fp16, ``loss`` otherwise."""
