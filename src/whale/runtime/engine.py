@@ -250,7 +250,7 @@ class Engine:
         fused, scaler = self._fuse_loss(), self.precision.scaler
         flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self.module.parameters()
                                                             if p.grad is not None])]
-        total = None if fused else self._start_sum([loss_sum] + flags)  # overlaps clipping and the update
+        total = None if fused else self._start_sum([loss_sum] + flags)  # overlaps clipping and the update (not fp16)
         skipped = False
         if scaler is not None:
             loss, overflows = total()
