@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="blocks per stage as annotated, e.g. 3,1 (default: even); on a mixed cluster the hardware-aware planner "
            "re-cuts the stages by device speed (the annotations then fix only the stage count)")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+      help="autocast dtype of the forward; fp16 adds dynamic loss scaling (master weights stay fp32)")
     a("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: start/end only)")
     a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
@@ -195,6 +197,8 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
         state["train_time"] += m["step_time"]
         state["train_tokens"] += tokens_per_step
         state["train_loss"].append(m["loss"])
+        if "loss_scale" in m:  # fp16: the dynamic loss scale and the steps an overflow skipped (on every rank)
+            state["loss_scale"], state["skipped_steps"] = m["loss_scale"], state.get("skipped_steps", 0) + m["skipped"]
         tok_s = state["train_tokens"] / state["train_time"]
         lr = lr_at(step, args, state["lr_horizon"])
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}")
@@ -269,7 +273,7 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster))
+                            cluster=args.cluster, precision=args.precision))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
@@ -315,6 +319,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
     tok_s = state["train_tokens"] / max(state["train_time"], 1e-9)
     print(f"\nheld-out loss: initial {state['val0']:.4f} -> final {final:.4f} (drop {drop:.3f} nats)")
     print(f"throughput {tok_s:,.0f} tokens/s; wall time {wall_s:.1f} s; checkpoint in {args.ckpt_dir}")
+    if "loss_scale" in state:
+        print(f"fp16: final loss scale {state['loss_scale']:g}, {state['skipped_steps']} step(s) skipped on overflow")
     text = sample(cfg, full, args) if args.sample_tokens else ""
     if text:
         print("\n--- sample ---\n" + text + "\n--------------")
@@ -323,7 +329,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         train_loss=state["train_loss"],
         tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
-        schedule=args.schedule, bubble=bubble, config=vars(args), sample=text,
+        schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
+        bubble=bubble, config=vars(args), sample=text,
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from whale.annotation import AnnotationError, annotate, replicate, set_default_strategy, split
-from whale.config import Config, ConfigError
+from whale.config import Config, ConfigError, LossScale
 from whale.frontend import plan_model
 from whale.frontend.graph import StageError
 from whale.loss import SumOverCount, token_cross_entropy
@@ -36,8 +36,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "OptimizerError", "Plan",
-    "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount",
+    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "LossScale", "OptimizerError",
+    "Plan", "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount",
     "accuracy", "annotate", "cross_entropy", "init", "local_rows", "make_schedule", "parallelize", "plan_model",
     "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
 ]

@@ -8,6 +8,7 @@ awaiting backward, posted receives, pending sends) lives in a private per-step s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ class StageExecutor:
             (arms gradient sync).
 
     Attributes:
+        precision: ``None`` (fp32), or a :class:`whale.runtime.precision.MixedPrecision`: the forward runs under
+            its autocast, the loss on its fp32 cast of the output, backward from its scaled loss.
         emulator: emulation only (``None`` on real hardware): stretches each compute segment to the declared
             device's speed (:class:`whale.runtime.emulation.EmulatedDevice`).
     """
@@ -141,6 +144,7 @@ class StageExecutor:
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
         self._first_meta: dict[str, dict] = {"sent": {}, "received": {}}  # per peer: previous step's first description
+        self.precision = None
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
@@ -184,7 +188,8 @@ class StageExecutor:
         with torch.set_grad_enabled(grad):
             given = work.inputs[mb] if links.is_first else join(pieces)  # pieces joined in the stage's graph
             inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
-            out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
+            with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
+                out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
             if links.is_last:
                 out = self._loss(mb, out, work, result)
         self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
@@ -200,6 +205,8 @@ class StageExecutor:
             state.live[mb] = (inputs, pieces, out, outgoing)
 
     def _loss(self, mb: int, out, work: MicroBatches, result: StepResult) -> torch.Tensor:
+        if self.precision is not None:  # the loss in fp32, outside autocast
+            out = self.precision.fp32(out)
         loss = self.loss_fn(out, work.targets[mb])
         loss = (loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss) * work.scales[mb]  # fp32
         if self.count_loss:
@@ -216,7 +223,7 @@ class StageExecutor:
     def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
         inputs, pieces, out, outgoing = state.live.pop(mb)
         if self.links.is_last:
-            tensors, grads = [out], None
+            tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
             tensors, grads = [], []
             for values, posted in outgoing:

@@ -40,6 +40,8 @@ Kind = Literal["replicate", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
 CaptureName = Literal["fx", "export"]
 CAPTURES: tuple[str, ...] = get_args(CaptureName)
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
 class _Checked:
@@ -178,6 +180,8 @@ class Plan(_Checked, PlanLayout):
         capture: how the stage cut's graph was captured: ``"fx"`` (``torch.fx.symbolic_trace``) or
             ``"export"`` (``torch.export``, non-strict, from ``capture_inputs``).
         capture_inputs: the example forward arguments of an ``"export"`` capture.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
+            dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
     """
 
     world_size: int
@@ -198,6 +202,7 @@ class Plan(_Checked, PlanLayout):
     stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     capture: CaptureName = "fx"
     capture_inputs: tuple[CaptureInput, ...] = ()
+    precision: PrecisionName = "fp32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -365,5 +370,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
            "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
-           "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects")},
+           "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
+           "precision": _choice(PRECISIONS)},
 }

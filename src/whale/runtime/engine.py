@@ -35,6 +35,7 @@ from whale.runtime.groups import norm_owned_params, sync_sets
 from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
 from whale.runtime.optim import bind_optimizer
+from whale.runtime.precision import MixedPrecision
 from whale.runtime.rng import RankStreams
 from whale.runtime.stats import StepHistory, StepTiming
 
@@ -101,6 +102,8 @@ class Engine:
         links = StageLinks(self.stage, plan.num_stages)
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
+        self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
+        self.executor.precision = self.precision if self.precision.dtype is not None else None
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
@@ -179,7 +182,8 @@ class Engine:
     def _fuse_loss(self) -> bool:
         # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
         return (self.plan.num_stages == 1 and not self.split.regions and not self.plan.shared_params
-                and self.grad_sync.can_carry_extra)  # never in a bf16/fp16 bucket: the loss stays fp32
+                and self.grad_sync.can_carry_extra  # never in a bf16/fp16 bucket: the loss stays fp32
+                and self.precision.scaler is None)  # fp16: the loss's all-reduce also carries the overflow flag
 
     def _arm(self, loss_sum: float) -> None:
         """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
@@ -187,7 +191,7 @@ class Engine:
         stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
         backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
-        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params:
+        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None:
             self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
@@ -218,7 +222,8 @@ class Engine:
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
-            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping.
+            bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, and under fp16 ``"loss_scale"``
+            (the scale for the next step) and ``"skipped"`` (an overflow anywhere skipped this update).
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
@@ -264,15 +269,9 @@ class Engine:
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
-        fused = self._fuse_loss()
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
-        loss_sum = None if fused else self._loss_started or self._start_sum([result.loss_sum])  # overlaps the update
-        self._loss_started = None
-        norm = self._clip() if self.ctx.config.max_grad_norm else None
-        self.optimizer.step()
+        loss, norm, skipped = self._apply_gradients(result.loss_sum)
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
-        self._zero_grad()
-        (loss,) = [float(self.grad_sync.extra[0])] if fused else loss_sum()
         self.steps_done += 1
         self.history.record(StepTiming(result.busy, schedule_time, self._rows))
         if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
@@ -283,7 +282,36 @@ class Engine:
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
+        if self.precision.scaler is not None:
+            out.update(loss_scale=float(self.precision.scaler.scale), skipped=skipped)
         return out
+
+    def _apply_gradients(self, loss_sum: float) -> tuple[float, float | None, bool]:
+        """Unscale (fp16), clip and step with this rank's reduced gradients, zero them, and sum the loss over
+        the world. Under fp16 the overflow flags of every rank ride on the loss's all-reduce, so every rank
+        skips the same steps and keeps the same scale (:mod:`whale.runtime.precision`).
+
+        Returns:
+            ``(global loss, gradient norm before clipping or None, whether the step was skipped)``.
+        """
+        fused, scaler = self._fuse_loss(), self.precision.scaler
+        flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self.module.parameters()
+                                                            if p.grad is not None])]
+        # overlaps clipping and the update (not fp16); stage 0 of a pipeline may have started it in _arm
+        total = None if fused else self._loss_started or self._start_sum([loss_sum] + flags)
+        self._loss_started = None
+        skipped = False
+        if scaler is not None:
+            loss, overflows = total()
+            skipped = overflows > 0
+            scaler.update(skipped)
+        norm = self._clip() if self.ctx.config.max_grad_norm and not skipped else None
+        if not skipped:
+            self.optimizer.step()
+        self._zero_grad()
+        if scaler is None:
+            (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
+        return loss, norm, skipped
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""
@@ -365,8 +393,12 @@ class Engine:
 
     # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+        """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``, and
+        ``"loss_scale"`` (the scaler's state) under fp16."""
+        out = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+        if self.precision.scaler is not None:
+            out["loss_scale"] = self.precision.scaler.state_dict()
+        return out
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names, CPU tensors) on rank 0; ``{}`` elsewhere.
@@ -375,7 +407,9 @@ class Engine:
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
         """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
-        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {})
+        scaler = self.precision.scaler
+        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
+                        scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
@@ -386,6 +420,8 @@ class Engine:
         """
         restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
         self.steps_done = restored.step
+        if self.precision.scaler is not None and restored.loss_scale is not None:
+            self.precision.scaler.load_state_dict(restored.loss_scale)
         self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights,
                                         stage_lane_weights=restored.stage_lane_weights)
         self._recheck_local()
