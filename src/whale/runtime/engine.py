@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whale.cluster import memory_capacity
 from whale.loss import SumOverCount
+from whale.memory.checkpointing import apply_checkpointing
+from whale.memory.monitor import MemoryMonitor, format_memory_table, memory_rows
 from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
@@ -85,6 +88,7 @@ class Engine:
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
+        apply_checkpointing(self.module, plan.activation_checkpoint)  # recompute in backward (whale.memory)
         self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
@@ -99,6 +103,10 @@ class Engine:
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
+        emulated = ctx.cluster is not None and ctx.cluster.emulate
+        self.memory = MemoryMonitor(self.module, self.optimizer, ctx.device, ctx.config.track_memory,
+                                    memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank,
+                                    ctx.world_size, plan.devices, plan.predicted_memory)
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -204,13 +212,24 @@ class Engine:
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
-            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping.
+            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping. When memory is measured
+            (``Config.track_memory``): ``"peak_memory_bytes"`` (this rank's peak this step), ``"memory"``
+            (bytes per category at that peak) and, on the CPU tracker, ``"memory_category_peaks"``
+            (:meth:`whale.memory.monitor.MemoryMonitor.end_step`).
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
             BatchError: inputs and target of different row counts, or (checked on the first 3 steps) ranks
                 given different batches; every rank raises, none is left waiting.
+            EmulatedOutOfMemoryError: under an emulated cluster, a rank's measured peak exceeded its declared
+                memory (x ``memory_scale``); every rank raises.
         """
+        with self.memory.tracking():
+            out = self._step(batch)
+        return out | self.memory.end_step()
+
+    def _step(self, batch) -> dict:
+        """:meth:`step` without the memory measurement."""
         start = time.perf_counter()
         before = self.grad_sync.bytes_reduced
         work = self._checked_micro_batches(batch, "step")
@@ -283,6 +302,12 @@ class Engine:
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
     # --- measurements ------------------------------------------------------------------------------------
+    def memory_table(self) -> tuple[list[dict], str]:
+        """Every rank's measured memory (collective): rows (see :func:`whale.memory.monitor.memory_rows`, bytes)
+        and the printable table."""
+        rows = memory_rows(self.memory, self.stage, self.lane)
+        return rows, format_memory_table(rows)
+
     def rebalance(self) -> Plan:
         """Re-balance the lanes' batch shares from the compute time per sample measured over recent steps
         (collective: every rank must call it; see :meth:`whale.runtime.stats.StepHistory.rebalance`). Only the
