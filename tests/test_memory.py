@@ -142,3 +142,38 @@ def test_memory_table_and_oom_message():
     err = EmulatedOutOfMemoryError([(1, "P100-16GB", 5 * 2**20, 2**22, 3 * 2**20)])
     assert "rank 1 (P100-16GB) needed 5.0 MiB" in str(err) and "has 4.0 MiB" in str(err)
     assert "predicted 3.0 MiB" in str(err)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_checkpointing_hugging_face_layers_eager_and_exported(kind):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=8,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        model, layers = transformers.GPT2LMHeadModel(cfg), ("transformer.h.0", "transformer.h.1")
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                       max_position_embeddings=8, attention_dropout=0.1)
+        model, layers = transformers.LlamaForCausalLM(cfg), ("model.layers.0", "model.layers.1")
+    inputs = {"input_ids": torch.randint(0, 64, (4, 8)), "use_cache": False}
+    assert resolve_targets(model, "all") == layers
+    for how in ("eager", "export"):
+        run = model if how == "eager" else capture(model, (), capture_inputs(inputs)).train
+        ref = copy.deepcopy(run)
+
+        def fwd_bwd(m):
+            torch.manual_seed(3)
+            out = m(**inputs).logits
+            out.pow(2).mean().backward()
+            return out.detach(), [p.grad.clone() for p in m.parameters()]
+
+        ref_out, ref_grads = fwd_bwd(ref)
+        assert apply_checkpointing(run, layers) == 2
+        out, grads = fwd_bwd(run)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+        model.zero_grad()
