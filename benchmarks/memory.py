@@ -59,7 +59,7 @@ def _run(ctx, cfg: dict, extra: dict) -> dict:
         t0 = time.perf_counter()
         engine.step(b)
         times.append(time.perf_counter() - t0)
-    rows, table = engine.memory_table()
+    rows, table = wh.memory_table(engine)
     return {"rows": rows, "table": table, "step_s": statistics.median(times[1:]), "plan": str(engine.plan)}
 
 

@@ -44,7 +44,7 @@ def _train(ctx, net, checkpoint, sample):
     metrics = [engine.step(b) for b in batches(STEPS)]
     return {"losses": [m["loss"] for m in metrics], "state": engine.full_state_dict(), "plan": plan.to_json(),
             "act_peak": max(m["memory_category_peaks"]["activations"] for m in metrics),
-            "table": engine.memory_table()[1]}
+            "table": wh.memory_table(engine)[1]}
 
 
 def _with_and_without(rank, world, capture, dropout):

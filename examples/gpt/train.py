@@ -7,7 +7,9 @@ Launch (from the repo root; ``make train`` does the first)::
     python examples/gpt/train.py --stages 1                # one process, plain data parallel of one
 
 The world size must be a multiple of ``--stages``; ``world / stages`` lanes of data parallelism wrap the
-pipeline. Every rank draws the same global batch ``[batch_size, seq_len]``; Whale slices each rank's rows.
+pipeline. Each rank reads only its own rows of every global batch ``[batch_size, seq_len]`` (``wh.local_rows``
+under the plan's shares, stepped with ``engine.step_local``; a middle pipeline stage reads nothing);
+``--global-batches`` gives every rank the whole batch instead and Whale slices the rows (the same training).
 Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, the measured
 memory table (``--activation-checkpoint`` recomputes the blocks' activations in backward), and writes
 a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an
@@ -77,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--prompt", default="Ham.\n", help="prompt for the generated sample")
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
+    a("--global-batches", action="store_true", help="give every rank the whole global batch (engine.step) "
+      "instead of its own rows (engine.step_local)")
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     a("--activation-checkpoint", nargs="?", const="all", default=None, metavar="WHAT",
       help="recompute activations in backward: 'all' (the default when given bare: every block), or a comma "
@@ -197,7 +201,11 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
     for step in range(start, end):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, args, state["lr_horizon"])
-        m = engine.step(next(batches))
+        batch = next(batches)  # this rank's rows only (unless --global-batches)
+        if args.global_batches:
+            m = engine.step(batch)
+        else:  # stage 0 needs the inputs, the last stage the targets, a middle stage nothing
+            m = engine.step_local(batch if batches.rows else None, args.batch_size)
         state["train_time"] += m["step_time"]
         state["train_tokens"] += tokens_per_step
         state["train_loss"].append(m["loss"])
@@ -282,6 +290,9 @@ def run(argv: list[str] | None = None) -> None:
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
+    if not args.global_batches:  # after a resume: its plan may carry the checkpoint's shares
+        loads = engine.stage in (0, engine.plan.num_stages - 1)
+        batches.rows = wh.local_rows(engine.plan, ctx.rank, args.batch_size) if loads else []
     if start >= args.steps:
         raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
                           f"nothing to do; pass --steps larger than {start} to train further")
@@ -304,7 +315,7 @@ def run(argv: list[str] | None = None) -> None:
     save(engine, args, end, batches, state)
     full = engine.full_state_dict()
     bubble = bubble_report(engine, args)
-    state["memory"], memory_table = engine.memory_table()  # collective: every rank's measured peaks
+    state["memory"], memory_table = wh.memory_table(engine)  # collective: every rank's measured peaks
     scalars.close(end, bubble)
     if ctx.rank == 0:
         print("\n" + memory_table, flush=True)

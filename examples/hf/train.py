@@ -6,6 +6,7 @@ it with ``torch.export`` to cut the stages. Launch from the repo root (``make tr
 
     whale launch -n 4 examples/hf/train.py                 # 2 data-parallel lanes x 2 pipeline stages
     whale launch -n 4 --cluster examples/clusters/v100_p100.yaml examples/hf/train.py --steps 100
+    whale launch -n 4 examples/hf/train.py --split 2       # 2 stages x 2 devices: heads and MLPs split too
     python examples/hf/train.py --stages 1 --steps 50       # one process
 
 Every rank draws the same global batch; the inputs are keyword arguments (``input_ids``, ``use_cache=False``),
@@ -52,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup 5%%, cosine to 10%%)")
     a("--micro-batches", type=int, default=4)
     a("--stages", type=int, default=2, help="pipeline stages: decoder layers split evenly by wh.annotate")
+    a("--split", type=int, default=1,
+      help="devices per stage: each stage's lanes also shard its attention heads and MLPs (tensor parallel); "
+           "the world size must be a multiple of stages x split")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
     a("--eval-every", type=int, default=100)
     a("--eval-batches", type=int, default=4)
@@ -70,11 +74,19 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = transformers.LlamaForCausalLM(cfg)
-    if args.stages > 1:
+    if args.stages > 1 or args.split > 1:
         if args.layers % args.stages:
             raise ValueError(f"--layers {args.layers} is not a multiple of --stages {args.stages}")
-        per, scopes = args.layers // args.stages, [wh.replicate(1) for _ in range(args.stages)]
-        wh.annotate(model, {f"model.layers.{j}": scopes[j // per] for j in range(args.layers)})
+        per, mapping = args.layers // args.stages, {}
+        for s in range(args.stages):
+            with wh.replicate(args.split) as stage:
+                with wh.split(args.split) as shard:
+                    pass
+            for j in range(s * per, (s + 1) * per):
+                mapping[f"model.layers.{j}"] = stage
+                if args.split > 1:
+                    mapping |= {f"model.layers.{j}.self_attn": shard, f"model.layers.{j}.mlp": shard}
+        wh.annotate(model, mapping)
     return model
 
 

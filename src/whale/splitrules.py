@@ -17,7 +17,10 @@ runtime could not shard, naming the module, its type, the dim and its size, and 
 - parameter-free modules pass; containers without parameters of their own are walked; any other module that
   holds parameters of its own is refused (no rule);
 - a split scope holding loose parameters rather than whole modules is refused, except the whole model (all of
-  the split's tensors are the root module's own parameters), which is then checked as one module.
+  the split's tensors are the root module's own parameters), which is then checked as one module;
+- rules for other libraries' module types load lazily, the first time a type of that library is met
+  (:data:`_PROVIDERS`): Hugging Face ``transformers`` (:mod:`whale.splitrules_hf` for the plan-time checks,
+  :mod:`whale.parallel.split_hf` for the shards), so neither Whale nor planning ever imports the library.
 
 A split over n devices cuts each sharded dim into n shards of at least one element, so the dim must have at
 least n elements (hardware-aware shard sizes only move elements between shards).
@@ -25,6 +28,7 @@ least n elements (hardware-aware shard sizes only move elements between shards).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from torch import nn
@@ -95,6 +99,39 @@ def _register_builtin(module_type: type, rule: SplitRule) -> None:
     _BUILTIN_RULES.add(module_type)
 
 
+def _register_builtin_check(module_type: type, check: Callable[[nn.Module, str, int], None]) -> None:
+    """A plan-time check of Whale's own for a rule that loads lazily (``check(module, fqn, n)`` raises
+    :class:`SplitError`, as the entries of :data:`_BUILTIN_DIMS`)."""
+    _check_type(module_type)
+    _BUILTIN_DIMS[module_type] = check
+
+
+def _register_lazy_builtin(module_type: type, rule: SplitRule) -> None:
+    """A rule of Whale's that loads lazily: registered unless the user already registered one for the type."""
+    if module_type not in _RULES:
+        _register_builtin(module_type, rule)
+
+
+_PROVIDERS: dict[str, tuple[str, str]] = {
+    "transformers": ("whale.splitrules_hf", "whale.parallel.split_hf"),
+}
+"""Top-level package of a module type -> (module registering its plan-time checks, module registering its
+runtime rules), imported the first time a type from that package is looked up (by name: planning never
+imports :mod:`whale.parallel`)."""
+_LOADED: set[str] = set()
+
+
+def _provide(module_type: type, runtime: bool) -> None:
+    """Import the providers for the packages of ``module_type`` and its bases (runtime rules too if
+    ``runtime``), once each."""
+    for cls in module_type.__mro__:
+        names = _PROVIDERS.get(cls.__module__.partition(".")[0])
+        for name in (names or ())[: 2 if runtime else 1]:
+            if name not in _LOADED:
+                _LOADED.add(name)
+                importlib.import_module(name)
+
+
 def _check_type(module_type) -> None:
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
@@ -107,6 +144,7 @@ def split_rule_for(module_type: type) -> SplitRule | None:
         SplitError: the rule is a base class's but ``module_type`` overrides ``forward`` (the base's shard
             would silently drop the subclass's computation).
     """
+    _provide(module_type, runtime=True)
     for cls in module_type.__mro__:
         if cls in _RULES:
             _check_forward_kept(module_type, cls)
@@ -195,6 +233,7 @@ def check_split_module(module: nn.Module, n: int, fqn: str = "") -> None:
     if module is None or next(module.parameters(), None) is None:
         return
     cls = type(module)
+    _provide(cls, runtime=False)
     for base in cls.__mro__:
         if base in _RULES or base in _BUILTIN_DIMS:
             _check_forward_kept(cls, base)

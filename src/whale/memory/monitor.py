@@ -63,6 +63,18 @@ class MemoryMonitor:
         if self.tracker is not None:
             self._hook()
 
+    @classmethod
+    def for_rank(cls, module: nn.Module, optimizer, ctx, plan) -> MemoryMonitor:
+        """The monitor of an engine: ``ctx`` (:class:`whale.runtime.context.Context`) gives the device, the
+        config's ``track_memory`` and, under an emulated cluster, the rank's capacity; ``plan`` the device names
+        and predicted bytes."""
+        from whale.cluster import memory_capacity
+
+        emulated = ctx.cluster is not None and ctx.cluster.emulate
+        return cls(module, optimizer, ctx.device, ctx.config.track_memory,
+                   memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank, ctx.world_size,
+                   plan.devices, plan.predicted_memory)
+
     @property
     def enabled(self) -> bool:
         """True when steps are measured."""
@@ -188,6 +200,14 @@ def memory_rows(monitor: MemoryMonitor, stage: int, lane: int) -> list[dict]:
     rows: list = [None] * monitor.world_size
     dist.all_gather_object(rows, row)
     return rows
+
+
+def memory_table(engine) -> tuple[list[dict], str]:
+    """Every rank's measured memory over the run so far (collective: every rank calls it): the rows of
+    :func:`memory_rows` (bytes) and the printable table (:func:`format_memory_table`) of ``engine``
+    (a :class:`whale.Engine`)."""
+    rows = memory_rows(engine.memory, engine.stage, engine.lane)
+    return rows, format_memory_table(rows)
 
 
 def format_memory_table(rows: list[dict]) -> str:

@@ -140,6 +140,7 @@ class StageExecutor:
         self.module, self.links, self.loss_fn, self.device = module, links, loss_fn, device
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
+        self._first_meta: dict[str, dict] = {"sent": {}, "received": {}}  # per peer: previous step's first description
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
@@ -162,9 +163,15 @@ class StageExecutor:
         return result
 
     def _receive(self, mb: int, work: MicroBatches, state: _InFlight) -> list[tuple]:
-        """This micro-batch's pieces from every sending lane (in row order); posts the next receives."""
-        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device) for p in work.recv_from]
+        """This micro-batch's pieces from every sending lane (in row order); posts the next receives. A step's
+        first receive from a lane is posted from that lane's previous first description (``guess``), so no
+        header is needed while it stays the same."""
+        guesses = self._first_meta["received"]
+        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device, guess=guesses.get(p.rank))
+                                        for p in work.recv_from]
         got = [p.wait() for p in pending]
+        if mb == 0:
+            guesses.update({p.rank: meta for p, (_, meta) in zip(work.recv_from, got, strict=True)})
         more = mb + 1 < len(work.scales)
         state.next_inputs = [p2p.PendingRecv(p.rank, self.device, meta)
                              for p, (_, meta) in zip(work.recv_from, got, strict=True)] if more else None
@@ -184,8 +191,9 @@ class StageExecutor:
         outgoing = []
         for peer in () if links.is_last else work.send_to:
             values = slice_for(_as_tuple(out), peer, work.rows, work.bridged)
-            works, state.sent_meta[peer.rank] = p2p.send_values(values, peer.rank, self.device,
-                                                                 state.sent_meta.get(peer.rank))
+            works, meta = p2p.send_values(values, peer.rank, self.device, state.sent_meta.get(peer.rank),
+                                          self._first_meta["sent"].get(peer.rank))
+            state.sent_meta[peer.rank] = self._first_meta["sent"][peer.rank] = meta
             state.sends += works
             outgoing.append((values, p2p.post_grads(values, peer.rank) if grad else []))
         if grad:

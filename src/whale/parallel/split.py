@@ -31,7 +31,9 @@ S bytes sends 2(n−1)/n × S):
 Rules. :func:`shard_module` walks a module and replaces what it can shard by a rule looked up by type (exact
 type first, then base classes): ``nn.Linear`` → column-sharded (a lone Linear, e.g. the classification head,
 keeps sharded outputs unless ``gather_output=True``); ``nn.Sequential`` → children in order, with each
-Linear → elementwise modules → Linear run fused as column then row; ``nn.Embedding`` → vocab-sharded.
+Linear → elementwise modules → Linear run fused as column then row; ``nn.Embedding`` → vocab-sharded;
+Hugging Face ``transformers``' Llama attention / MLP and GPT-2 MLP → :mod:`whale.parallel.split_hf` (loaded
+the first time such a module is met; whole heads).
 Parameter-free modules (activations, dropout, ...) pass through; containers without parameters of their own
 are walked recursively. Anything else that holds parameters raises :class:`SplitError`; :func:`whale.plan_model`
 already refuses it at plan time, and a sharded dim smaller than the device count too, naming the module (see

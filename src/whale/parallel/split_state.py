@@ -3,7 +3,9 @@
 **Layout.** Every module holding parameters inside a split region declares, with a ``shard_layout()`` method,
 how each of its own parameters lies across the split group: ``{name: dim}`` for a parameter cut along
 ``dim`` into the module's ``sizes`` (one entry per rank of the group, in group-rank order), ``{name: None}``
-for one replicated whole on every rank (a row-parallel Linear's bias). Whale's sharded layers
+for one replicated whole on every rank (a row-parallel Linear's bias). A module whose parameters fuse ``k``
+tensors cut alike (GPT-2's q|k|v projection) sets ``fused_parts = k``: each rank's slice along ``dim`` is then
+``k`` equal blocks, one of each fused tensor, and ``sizes`` counts all ``k``. Whale's sharded layers
 (:mod:`whale.parallel.split`) declare theirs; a custom split rule's module must too (otherwise
 :func:`whale.parallel.split.shard_module` refuses it). The layout decides:
 
@@ -234,6 +236,21 @@ def gather_full_state(module: nn.Module, group=None, done: dict[int, torch.Tenso
             out[name] = t.detach()
         else:
             if id(t) not in done:
-                done[id(t)] = all_gather(t.detach(), group, dim, list(sizes), kind=kind)
+                full = all_gather(t.detach(), group, dim, list(sizes), kind=kind)
+                done[id(t)] = _unfuse(full, dim, list(sizes), _fused_parts(module, name))
             out[name] = done[id(t)]
     return out
+
+
+def _fused_parts(module: nn.Module, name: str) -> int:
+    """``fused_parts`` of the module holding parameter ``name`` (1 when it fuses nothing)."""
+    owner = name.rpartition(".")[0]
+    return int(getattr(module.get_submodule(owner) if owner else module, "fused_parts", 1))
+
+
+def _unfuse(full: torch.Tensor, dim: int, sizes: list[int], parts: int) -> torch.Tensor:
+    """Rank-ordered shards of ``parts`` fused blocks each -> the fused tensors whole, one after another."""
+    if parts == 1:
+        return full
+    blocks = [shard.chunk(parts, dim) for shard in full.split(sizes, dim)]
+    return torch.cat([rank[j] for j in range(parts) for rank in blocks], dim)

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.cluster import memory_capacity
 from whale.loss import SumOverCount
 from whale.memory.checkpointing import apply_checkpointing
-from whale.memory.monitor import MemoryMonitor, format_memory_table, memory_rows
+from whale.memory.monitor import MemoryMonitor
 from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
@@ -35,6 +34,7 @@ from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
+from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.rng import RankStreams
@@ -73,8 +73,9 @@ class Engine:
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
         self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
-        self._batch_checks = {"step": 3, "eval": 1}  # first calls: every rank was given the same global batch
+        self._batch_checks = {"step": 3, "eval": 1, "local": 3, "local_eval": 1}  # first calls (see _checked_...)
         self._rows = 0  # this lane's rows in the latest step
+        self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
@@ -103,10 +104,7 @@ class Engine:
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
-        emulated = ctx.cluster is not None and ctx.cluster.emulate
-        self.memory = MemoryMonitor(self.module, self.optimizer, ctx.device, ctx.config.track_memory,
-                                    memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank,
-                                    ctx.world_size, plan.devices, plan.predicted_memory)
+        self.memory = MemoryMonitor.for_rank(self.module, self.optimizer, ctx, plan)  # whale.memory.memory_table
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -133,24 +131,27 @@ class Engine:
         self.grad_sync.scheduler = device  # bucket all-reduces start at their emulated times
 
     # --- stepping ----------------------------------------------------------------------------------------
-    def _micro_batches(self, batch, metrics: dict | None = None) -> MicroBatches:
-        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
-        inputs, target = batch
-        total = batch_size(batch)
+    def _micro_batches(self, batch, metrics: dict | None = None, global_batch: int | None = None) -> MicroBatches:
+        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows; with
+        ``global_batch``, ``batch`` holds only this lane's rows (:meth:`step_local`; a token-weighted loss's
+        scales are then set by :func:`whale.runtime.local.local_work`, after the global count)."""
+        inputs, target = batch if batch is not None else (None, None)
+        total = batch_size(batch) if global_batch is None else global_batch
         rows = self.plan.micro_batch_rows(total, self.stage)  # this stage's lanes (the stages differ in width)
         recv_from, send_to = self.plan.boundary_peers(total, self.stage, self.lane)  # the batch bridge's rows
         self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
         dev = self.ctx.device
-
-        def take(x, a, b):
-            """Rows a:b of x, on this rank's device."""
-            return slice_rows(x, a, b, total, dev)
-
         last = self.stage == self.plan.num_stages - 1
+        if global_batch is None:
+            def take(x, a, b):
+                """Rows a:b of x, on this rank's device."""
+                return slice_rows(x, a, b, total, dev)
+        else:  # rows a:b of the global batch are at a local offset (checks the local batch's rows)
+            take = local_take(batch, rows[self.lane], self.stage == 0, last, dev, f"lane {self.lane}")
         row_scales = [(b - a) / total for a, b in loss_rows]
-        if isinstance(self.loss_fn, SumOverCount):  # token-weighted: sums over terms / terms of the global batch
+        if isinstance(self.loss_fn, SumOverCount) and global_batch is None:  # token-weighted: / global terms
             count = self.loss_fn.count(target)
             scales = [1.0 / count if count else 0.0] * len(loss_rows)
         else:  # a per-sample mean: weighted by rows
@@ -182,7 +183,13 @@ class Engine:
                 and self.grad_sync.can_carry_extra)  # never in a bf16/fp16 bucket: the loss stays fp32
 
     def _arm(self, loss_sum: float) -> None:
+        """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
+        stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
+        stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
+        backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
+        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params:
+            self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
     def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
@@ -224,21 +231,55 @@ class Engine:
             EmulatedOutOfMemoryError: under an emulated cluster, a rank's measured peak exceeded its declared
                 memory (x ``memory_scale``); every rank raises.
         """
+        start = time.perf_counter()
+        work = self._checked_micro_batches(batch, "step")
+        return self._train(work, start, batch_size(batch))
+
+    def step_local(self, batch, global_batch: int) -> dict:
+        """One optimizer step, each rank given only ITS OWN rows of the global batch: the same step (same
+        losses, gradients and update) as :meth:`step` on the whole global batch.
+
+        Args:
+            batch: ``(inputs, target)`` with this rank's lane's rows in the order of :func:`whale.local_rows`
+                (what :class:`whale.PlanSampler` yields). Stage 0 reads only ``inputs``, the last stage only
+                ``target`` (the other may be ``None``); a middle pipeline stage passes ``None``.
+            global_batch: rows of the global batch (all lanes together), equal on every rank; rows and a
+                token-weighted loss (:class:`whale.loss.SumOverCount`) are normalised over it (the count of
+                terms is summed over the last stage's lanes: one small all-reduce there per step).
+
+        Returns:
+            as :meth:`step` (``"samples"`` is ``global_batch``).
+
+        Raises:
+            PlanError: ``global_batch`` does not divide into micro-batches or leaves a lane empty.
+            BatchError: a local batch that is not this rank's share (wrong rows; a missing input or target),
+                ranks given different ``global_batch`` (checked on the first 3 steps and after a plan change:
+                every rank raises, none is left waiting), or a model ending in class-sharded logits (its loss
+                needs the split group's targets: use :meth:`step`).
+        """
+        start = time.perf_counter()
+        return self._train(self._local_work(batch, global_batch, "local"), start, global_batch)
+
+    def _local_work(self, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:
+        """This rank's micro-batches from its local rows (:func:`whale.runtime.local.local_work`)."""
+        return local_work(self, batch, global_batch, kind, metrics)
+
+    def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
+        """The body of :meth:`step` and :meth:`step_local`, its memory measured (:attr:`memory`)."""
         with self.memory.tracking():
-            out = self._step(batch)
+            out = self._update(work, start, samples)
         return out | self.memory.end_step()
 
-    def _step(self, batch) -> dict:
-        """:meth:`step` without the memory measurement."""
-        start = time.perf_counter()
+    def _update(self, work: MicroBatches, start: float, samples: int) -> dict:
+        """Run the schedule on ``work``, reduce gradients and update."""
         before = self.grad_sync.bytes_reduced
-        work = self._checked_micro_batches(batch, "step")
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
         fused = self._fuse_loss()
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
-        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps clipping and the update
+        loss_sum = None if fused else self._loss_started or self._start_sum([result.loss_sum])  # overlaps the update
+        self._loss_started = None
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
@@ -250,7 +291,7 @@ class Engine:
             self.rebalance()
         self.last_timeline = result.timeline
         out = {"loss": loss, "step_time": time.perf_counter() - start, "schedule_time": schedule_time,
-               "busy_time": result.busy, "samples": batch_size(batch), "stage": self.stage, "lane": self.lane,
+               "busy_time": result.busy, "samples": samples, "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
@@ -287,13 +328,23 @@ class Engine:
         Returns:
             ``{"loss": mean over the global batch, **metrics}``.
         """
+        return self._evaluate(lambda: self._checked_micro_batches(batch, "eval", metrics), metrics)
+
+    @torch.no_grad()
+    def eval_step_local(self, batch, global_batch: int, metrics: dict[str, Callable] | None = None) -> dict:
+        """:meth:`eval_step` with each rank given only its own rows, as in :meth:`step_local` (same arguments,
+        result and errors)."""
+        return self._evaluate(lambda: self._local_work(batch, global_batch, "local_eval", metrics), metrics)
+
+    def _evaluate(self, make_work: Callable[[], MicroBatches], metrics: dict | None) -> dict:
+        """Run the forwards on ``make_work()`` with every module in eval mode; sum loss and metrics globally."""
         roots = (self.module, self._model)
         modes = [(m, m.training) for r in roots for m in r.modules()]  # the user's own modes come back afterwards
         for r in roots:
             r.eval()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
-            result = self.executor.run(forwards, self._checked_micro_batches(batch, "eval", metrics), train=False)
+            result = self.executor.run(forwards, make_work(), train=False)
         finally:
             for m, training in modes:
                 m.training = training
@@ -302,12 +353,6 @@ class Engine:
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
     # --- measurements ------------------------------------------------------------------------------------
-    def memory_table(self) -> tuple[list[dict], str]:
-        """Every rank's measured memory (collective): rows (see :func:`whale.memory.monitor.memory_rows`, bytes)
-        and the printable table."""
-        rows = memory_rows(self.memory, self.stage, self.lane)
-        return rows, format_memory_table(rows)
-
     def rebalance(self) -> Plan:
         """Re-balance the lanes' batch shares from the compute time per sample measured over recent steps
         (collective: every rank must call it; see :meth:`whale.runtime.stats.StepHistory.rebalance`). Only the
@@ -317,7 +362,13 @@ class Engine:
             The new plan (also ``self.plan``).
         """
         self.plan = self.history.rebalance(self.plan, self.lane, self.world_size, self.stage)
+        self._recheck_local()
         return self.plan
+
+    def _recheck_local(self) -> None:
+        """New shares: the next local batches are checked collectively again (a loader still on the old
+        shares then stops every rank with a BatchError)."""
+        self._batch_checks.update(local=3, local_eval=1)
 
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy seconds and the schedule's makespan over the last 20 steps, with
@@ -349,4 +400,5 @@ class Engine:
         self.steps_done = restored.step
         self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights,
                                         stage_lane_weights=restored.stage_lane_weights)
+        self._recheck_local()
         return restored.extra
