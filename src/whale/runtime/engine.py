@@ -219,17 +219,14 @@ class Engine:
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
-            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping. When memory is measured
-            (``Config.track_memory``): ``"peak_memory_bytes"`` (this rank's peak this step), ``"memory"``
-            (bytes per category at that peak) and, on the CPU tracker, ``"memory_category_peaks"``
-            (:meth:`whale.memory.monitor.MemoryMonitor.end_step`).
+            bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, and when memory is measured
+            ``"peak_memory_bytes"``, ``"memory"``, ``"memory_category_peaks"`` (``MemoryMonitor.end_step``).
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
             BatchError: inputs and target of different row counts, or (checked on the first 3 steps) ranks
                 given different batches; every rank raises, none is left waiting.
-            EmulatedOutOfMemoryError: under an emulated cluster, a rank's measured peak exceeded its declared
-                memory (x ``memory_scale``); every rank raises.
+            EmulatedOutOfMemoryError: emulated cluster: a rank's measured peak over its memory (all raise).
         """
         start = time.perf_counter()
         work = self._checked_micro_batches(batch, "step")
