@@ -10,7 +10,8 @@ The world size must be a multiple of ``--stages``; ``world / stages`` lanes of d
 pipeline. Each rank reads only its own rows of every global batch ``[batch_size, seq_len]`` (``wh.local_rows``
 under the plan's shares, stepped with ``engine.step_local``; a middle pipeline stage reads nothing);
 ``--global-batches`` gives every rank the whole batch instead and Whale slices the rows (the same training).
-Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, and writes
+Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, the measured
+memory table (``--activation-checkpoint`` recomputes the blocks' activations in backward), and writes
 a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an
 uninterrupted run (model, optimizer, RNG, step and data position are restored; the LR is a function of
 the step).
@@ -83,11 +84,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--global-batches", action="store_true", help="give every rank the whole global batch (engine.step) "
       "instead of its own rows (engine.step_local)")
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
+    a("--activation-checkpoint", nargs="?", const="all", default=None, metavar="WHAT",
+      help="recompute activations in backward: 'all' (the default when given bare: every block), or a comma "
+           "list of module types, FQN globs and TaskGraph indices, e.g. Block or blocks.0,blocks.1")
+    a("--track-memory", action="store_true",
+      help="measure memory per rank on a plain CPU run too (always on under an emulated cluster)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
       help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
     return p.parse_args(argv)
+
+
+def checkpoint_spec(value: str | None):
+    """``--activation-checkpoint`` as ``Config.activation_checkpoint``: None, ``"all"``, or a tuple of names
+    and TaskGraph indices (digits) from a comma list."""
+    if value is None or value == "all":
+        return value
+    return tuple(int(v) if v.strip().isdigit() else v.strip() for v in value.split(",") if v.strip())
 
 
 def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
@@ -273,7 +287,9 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster, precision=args.precision))
+                            cluster=args.cluster, precision=args.precision,
+                            activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
+                            track_memory=True if args.track_memory else None))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
@@ -304,8 +320,10 @@ def run(argv: list[str] | None = None) -> None:
     save(engine, args, end, batches, state)
     full = engine.full_state_dict()
     bubble = bubble_report(engine, args)
+    state["memory"], memory_table = wh.memory_table(engine)  # collective: every rank's measured peaks
     scalars.close(end, bubble)
     if ctx.rank == 0:
+        print("\n" + memory_table, flush=True)
         finish(args, cfg, engine, full, state, bubble, time.time() - wall0)
     if dist.is_initialized():
         dist.barrier()
@@ -330,7 +348,7 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
-        bubble=bubble, config=vars(args), sample=text,
+        bubble=bubble, config=vars(args), sample=text, memory=state["memory"],
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

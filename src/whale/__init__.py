@@ -33,13 +33,15 @@ _LAZY = {
     "accuracy": "whale.parallel.bridge", "cross_entropy": "whale.parallel.bridge",
     "BatchError": "whale.runtime.batch", "OptimizerError": "whale.runtime.optim",
     "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
+    "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
 }
 
 __all__ = [
-    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "LossScale", "OptimizerError",
-    "Plan", "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount",
-    "accuracy", "annotate", "cross_entropy", "init", "local_rows", "make_schedule", "parallelize", "plan_model",
-    "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
+    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "EmulatedOutOfMemoryError", "Engine",
+    "LossScale", "OptimizerError", "Plan", "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError",
+    "StageError", "SumOverCount", "accuracy", "annotate", "cross_entropy", "init", "local_rows", "make_schedule",
+    "memory_table", "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy",
+    "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

@@ -85,6 +85,17 @@ class Config:
             forward; parameters, gradients, optimizer and loss stay fp32) or ``"fp16"`` (autocast in float16 with
             dynamic loss scaling, identical on every rank: :mod:`whale.runtime.precision`). Recorded in the plan.
         loss_scale: the dynamic loss scaling of ``"fp16"`` (:class:`LossScale`); ignored otherwise.
+        activation_checkpoint: which modules recompute their activations in backward instead of keeping them
+            (``torch.utils.checkpoint``, non-reentrant; see :mod:`whale.memory.checkpointing`). ``None`` or
+            ``()``: none. ``"all"``: every repeated layer (each child of a ``ModuleList``/``Sequential``, e.g.
+            every transformer block). Otherwise a tuple whose entries are a module class or class name
+            (``"Block"``: every module of that type), an FQN glob (``"blocks.*"``, ``"h.[0-3]"``), or an int
+            ``i`` (every layer unit of TaskGraph ``i``). The front end resolves it to module FQNs in the plan.
+        track_memory: measure each step's peak memory per rank by category (parameters, gradients, optimizer
+            state, activations, temporaries; :mod:`whale.memory.tracker`) and report it in the step metrics.
+            ``None`` (auto): on under an emulated cluster (which then enforces each device's memory, see
+            :class:`whale.memory.monitor.EmulatedOutOfMemoryError`) and on CUDA (allocator statistics, free),
+            off on plain CPU runs (the CPU tracker sees every operation: a few percent of step time).
     """
 
     num_micro_batch: int = 1
@@ -100,6 +111,8 @@ class Config:
     capture: str = "auto"
     precision: PrecisionName = "fp32"
     loss_scale: LossScale = LossScale()
+    activation_checkpoint: Any = None
+    track_memory: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -129,6 +142,9 @@ class Config:
             raise ConfigError(f"rebalance_after={self.rebalance_after!r} must be an int >= 1 or None")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm} must be > 0 or None")
+        object.__setattr__(self, "activation_checkpoint", _checkpoint_spec(self.activation_checkpoint))
+        if self.track_memory not in (None, True, False):
+            raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 
@@ -140,5 +156,37 @@ class Config:
         """Plain-data form (JSON-serializable when ``cluster`` is a path or None)."""
         d = dataclasses.asdict(self)
         d["load_shares"] = list(self.load_shares) if self.load_shares else None
+        spec = self.activation_checkpoint
+        d["activation_checkpoint"] = spec if isinstance(spec, str) else list(spec)
         d["cluster"] = self.cluster if isinstance(self.cluster, str | type(None)) else repr(self.cluster)
         return d
+
+
+def _checkpoint_spec(spec: Any) -> str | tuple[str | int, ...]:
+    """``Config.activation_checkpoint`` normalised: ``()`` (off), ``"all"``, or a tuple of class names, FQN
+    globs and TaskGraph indices (module classes become their names).
+
+    Raises:
+        ConfigError: another string than ``"all"``, or an entry that is not a class, a non-empty string or an
+            int >= 0.
+    """
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        if spec != "all":
+            raise ConfigError(f"activation_checkpoint={spec!r}: a string must be 'all'; give module types, FQN "
+                              f"patterns or TaskGraph indices as a tuple, e.g. ({spec!r},)")
+        return spec
+    if isinstance(spec, type) or not isinstance(spec, tuple | list):
+        spec = (spec,)
+    out: list[str | int] = []
+    for entry in spec:
+        if isinstance(entry, type):
+            entry = entry.__name__
+        ok = (isinstance(entry, str) and entry.strip() and entry != "all") or \
+            (isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0)
+        if not ok:
+            raise ConfigError(f"activation_checkpoint entry {entry!r} must be a module class or class name, an FQN "
+                              "glob (e.g. 'blocks.*') or a TaskGraph index >= 0; use 'all' alone for every layer")
+        out.append(entry)
+    return tuple(out)

@@ -123,17 +123,26 @@ def stage_param_names(cuts: tuple[StageCut, ...], model: nn.Module) -> list[set[
     return [{n for n, _ in model.named_parameters(remove_duplicate=False)}]
 
 
-def memory_model(prof: ModelProfile, stage_params: list[set[str]], global_batch: int) -> MemoryModel:
+def memory_model(prof: ModelProfile, stage_params: list[set[str]], global_batch: int,
+                 checkpointed: tuple[str, ...] = ()) -> MemoryModel:
     """Fixed and per-sample bytes per stage: a unit counts in the stage that holds its first parameter; work
-    outside every unit counts in the last stage."""
+    outside every unit counts in the last stage. A unit inside a ``checkpointed`` module (FQNs) keeps only its
+    input alive (counted as its output's bytes: a layer of a residual stack) and recomputes its activations
+    once in backward (the stage's largest such unit counts once, in ``recompute_bytes``); checkpointed modules
+    smaller than a unit are not modelled."""
     fixed = [0.0] * len(stage_params)
     per = [0.0] * len(stage_params)
+    again = [0.0] * len(stage_params)
     for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
         fixed[stage] += u.static_bytes
-        per[stage] += u.activation_bytes
+        if any(u.name == c or u.name.startswith(c + ".") for c in checkpointed):
+            per[stage] += u.output_bytes
+            again[stage] = max(again[stage], u.activation_bytes)
+        else:
+            per[stage] += u.activation_bytes
     fixed[-1] += prof.rest.static_bytes
     per[-1] += prof.rest.activation_bytes
-    return MemoryModel(global_batch, fixed, per)
+    return MemoryModel(global_batch, fixed, per, again if checkpointed else [])
 
 
 def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float, ...]:

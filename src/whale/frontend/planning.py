@@ -21,9 +21,11 @@ from whale.config import Config
 from whale.frontend import hwplan
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError
+from whale.frontend.profile import default_units
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
-from whale.plan.hardware import apply_hardware, is_heterogeneous
+from whale.memory.checkpointing import resolve_targets
+from whale.plan.hardware import apply_hardware, is_heterogeneous, predicted_memory
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
 from whale.splitrules import check_split_plan
@@ -104,6 +106,7 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
+    plan = _with_checkpointing(model, plan, config)
     if sample_batch is not None:
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
     if not aware:
@@ -111,9 +114,24 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     memory = None
     if prof is not None:
         params = hwplan.stage_param_names(plan.stage_cuts, model)
-        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch))
+        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch), plan.activation_checkpoint)
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
-    return apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None), stages
+    plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
+    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(plan, memory)) if memory else plan
+    return plan, stages
+
+
+def _with_checkpointing(model: nn.Module, plan: Plan, config: Config) -> Plan:
+    """The plan with ``Config.activation_checkpoint`` resolved to module FQNs (:mod:`whale.memory.checkpointing`).
+
+    Raises:
+        CheckpointError: an entry matching no module, or one overlapping a split module.
+    """
+    if not config.activation_checkpoint:
+        return plan
+    splits = tuple(name for s in range(plan.num_stages) for name, _ in plan.split_targets(s))
+    names = resolve_targets(model, config.activation_checkpoint, plan.task_graphs, splits, default_units(model))
+    return dataclasses.replace(plan, activation_checkpoint=names)
 
 
 def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,

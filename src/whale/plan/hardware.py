@@ -15,7 +15,7 @@ within its memory.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.plan.balance import InfeasiblePlanError, balance_batch
@@ -34,11 +34,32 @@ class MemoryModel:
         global_batch: samples per step the shares are computed for (bytes scale with it).
         fixed_bytes: per stage, bytes a device needs whatever its share (params + grads + optimizer state).
         per_sample_bytes: per stage, activation bytes one sample keeps alive while in flight.
+        recompute_bytes: per stage, activation bytes per sample of the largest checkpointed unit, alive once
+            while it is recomputed in backward (empty: no activation checkpointing).
     """
 
     global_batch: int
     fixed_bytes: list[float]
     per_sample_bytes: list[float]
+    recompute_bytes: list[float] = field(default_factory=list)
+
+
+def predicted_memory(plan: Plan, memory: MemoryModel) -> tuple[float, ...]:
+    """Per rank, predicted peak bytes at ``memory.global_batch``: its stage's fixed bytes + per-sample bytes x
+    its lane's rows per micro-batch x the micro-batches its stage holds in flight (1F1B: min(m, S - s); GPipe:
+    m) + the recomputed unit's bytes x those rows.
+
+    Raises:
+        PlanError: the batch does not divide into the plan's micro-batches and lanes.
+    """
+    out = [0.0] * plan.world_size
+    for s in range(plan.num_stages):
+        flight = in_flight_micro_batches(s, plan.num_stages, plan.num_micro_batch, plan.schedule)
+        extra = memory.recompute_bytes[s] if memory.recompute_bytes else 0.0
+        for lane, ranges in enumerate(plan.micro_batch_rows(memory.global_batch, s)):
+            rows = max(b - a for a, b in ranges)
+            out[plan.rank_of(s, lane)] = memory.fixed_bytes[s] + rows * (memory.per_sample_bytes[s] * flight + extra)
+    return tuple(out)
 
 
 def is_heterogeneous(cluster: ClusterSpec) -> bool:

@@ -182,6 +182,10 @@ class Plan(_Checked, PlanLayout):
         capture_inputs: the example forward arguments of an ``"export"`` capture.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
+        activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
+            (:mod:`whale.memory.checkpointing`); none nested in another, none overlapping a split module.
+        predicted_memory: per rank, the planner's predicted peak bytes (parameters, gradients, optimizer state
+            and activations in flight; empty when the model was not profiled).
     """
 
     world_size: int
@@ -203,6 +207,8 @@ class Plan(_Checked, PlanLayout):
     capture: CaptureName = "fx"
     capture_inputs: tuple[CaptureInput, ...] = ()
     precision: PrecisionName = "fp32"
+    activation_checkpoint: tuple[str, ...] = ()
+    predicted_memory: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -292,6 +298,7 @@ class Plan(_Checked, PlanLayout):
             _fail("device_order", list(self.device_order), f"must be a permutation of 0..{w - 1}",
                   "list every rank once (or [] for the identity)")
         for name, want, of in (("devices", w, "ranks"), ("predicted_utilization", w, "ranks"),
+                               ("predicted_memory", w, "ranks"),
                                ("stage_flops", self.num_stages, "stages")):
             if getattr(self, name) and len(getattr(self, name)) != want:
                 raise PlanError(f"{name} lists {len(getattr(self, name))} entries for {want} {of}; "
@@ -312,6 +319,12 @@ class Plan(_Checked, PlanLayout):
             if any(not 0 <= s < self.num_stages for s in sp.stages):
                 _fail(f"shared_params[{i}].stages", list(sp.stages), f"names a stage outside 0..{self.num_stages - 1}",
                       f"list the stages holding {list(sp.names)}")
+        names = self.activation_checkpoint
+        for i, a in enumerate(names):
+            inner = next((b for b in names[i + 1:] + names[:i] if a == b or b.startswith(a + ".")), None)
+            if not a or inner is not None:
+                _fail("activation_checkpoint", list(names), f"lists {a!r} " + (f"and {inner!r} inside it" if a
+                      else "(the whole model)"), "list each module once, outermost only, never the root")
 
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists); :meth:`from_dict` inverts it."""
@@ -371,5 +384,5 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
            "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
-           "precision": _choice(PRECISIONS)},
+           "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG},
 }

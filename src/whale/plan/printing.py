@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from whale.plan.plan import Plan, TaskGraph
+from whale.units import format_bytes
 
 
 def _layout(plan: Plan) -> str:
@@ -87,6 +88,8 @@ def format_plan(plan: Plan) -> str:
             lines += _wrapped(f"stage {s} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
         else:
             lines.append(f"stage {s} ({sizes}), cut as annotated")
+    if plan.activation_checkpoint:
+        lines += _wrapped("activation checkpointing (recomputed in backward): ", plan.activation_checkpoint)
     if plan.devices:
         lines.extend(_device_rows(plan))
     for sp in plan.shared_params:
@@ -98,15 +101,20 @@ def format_plan(plan: Plan) -> str:
 
 def _device_rows(plan: Plan) -> list[str]:
     """Per rank: device type, stage, lane, batch share and predicted busy share."""
-    rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'busy*':>6}"]
+    mem = bool(plan.predicted_memory)
+    rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'busy*':>6}"
+            + (f" {'memory**':>10}" if mem else "")]
     for r in range(plan.world_size):
         stage, lane = plan.coords(r)
         util = f"{plan.predicted_utilization[r]:.0%}" if plan.predicted_utilization else "-"
         weights = plan.weights_of(stage)
         rows.append(f"{r:>4} {plan.devices[r]:<16} {stage:>5} {lane:>4} {weights[lane] / sum(weights):>7.1%} "
-                    f"{util:>6}")
+                    f"{util:>6}" + (f" {format_bytes(plan.predicted_memory[r]):>10}" if mem else ""))
     rows.append("* busy: predicted share of the step this rank computes (its compute time over the slowest "
                 "rank's; 100% = the bottleneck)")
+    if mem:
+        rows.append("** memory: the planner's predicted peak (parameters, gradients, optimizer state, activations "
+                    "in flight) at the sample batch's size")
     return rows
 
 

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.loss import SumOverCount
+from whale.memory.checkpointing import apply_checkpointing
+from whale.memory.monitor import MemoryMonitor
 from whale.parallel.data import GradSync, broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
@@ -91,6 +93,7 @@ class Engine:
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
+        apply_checkpointing(self.module, plan.activation_checkpoint)  # recompute in backward (whale.memory)
         self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
@@ -107,6 +110,7 @@ class Engine:
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
+        self.memory = MemoryMonitor.for_rank(self.module, self.optimizer, ctx, plan)  # whale.memory.memory_table
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -223,12 +227,15 @@ class Engine:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
             bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, and under fp16 ``"loss_scale"``
-            (the scale for the next step) and ``"skipped"`` (an overflow anywhere skipped this update).
+            (the scale for the next step) and ``"skipped"`` (an overflow anywhere skipped this update), and when
+            memory is measured ``"peak_memory_bytes"``, ``"memory"``, ``"memory_category_peaks"``
+            (``MemoryMonitor.end_step``).
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
             BatchError: inputs and target of different row counts, or (checked on the first 3 steps) ranks
                 given different batches; every rank raises, none is left waiting.
+            EmulatedOutOfMemoryError: emulated cluster: a rank's measured peak over its memory (all raise).
         """
         start = time.perf_counter()
         work = self._checked_micro_batches(batch, "step")
@@ -264,7 +271,13 @@ class Engine:
         return local_work(self, batch, global_batch, kind, metrics)
 
     def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
-        """Run the schedule on ``work``, reduce gradients and update: the body of :meth:`step`."""
+        """The body of :meth:`step` and :meth:`step_local`, its memory measured (:attr:`memory`)."""
+        with self.memory.tracking():
+            out = self._update(work, start, samples)
+        return out | self.memory.end_step()
+
+    def _update(self, work: MicroBatches, start: float, samples: int) -> dict:
+        """Run the schedule on ``work``, reduce gradients and update."""
         before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)

@@ -1,0 +1,235 @@
+"""Per-rank memory measurement during training, the emulated out-of-memory check and the memory table.
+
+The :class:`MemoryMonitor` of an engine measures each step: on CPU (and wherever ``Config.track_memory`` is
+on) with a :class:`~whale.memory.tracker.StorageTracker` (live storage by category), on CUDA also with the
+allocator's own peak (``torch.cuda.max_memory_allocated``, reset every step). Under an emulated cluster every
+rank compares its measured peak with its declared device memory (x ``memory_scale``) at the end of each step,
+and all ranks agree (one all-reduce of the peaks) so that an over-capacity rank stops every rank with the same
+:class:`EmulatedOutOfMemoryError` instead of leaving its peers waiting.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from whale.memory.tracker import CATEGORIES, StorageTracker
+from whale.units import format_bytes
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """Under an emulated cluster, a rank's measured peak exceeded its declared device memory (x
+    ``memory_scale``). Raised on every rank; the message names each over-capacity rank, its device, the bytes
+    it needed, its capacity and the planner's prediction.
+
+    Attributes:
+        over: ``[(rank, device, needed_bytes, capacity_bytes, predicted_bytes or None)]``.
+    """
+
+    def __init__(self, over: list[tuple]) -> None:
+        self.over = over
+        parts = [f"rank {r} ({dev}) needed {format_bytes(need)} at its peak but has {format_bytes(cap)} "
+                 f"(planner predicted {format_bytes(pred) if pred else 'nothing: model not profiled'})"
+                 for r, dev, need, cap, pred in over]
+        super().__init__("emulated out of memory: " + "; ".join(parts) + ". Use activation checkpointing "
+                         "(Config(activation_checkpoint=...)), more micro-batches, more pipeline stages or a "
+                         "larger memory_scale")
+
+
+class MemoryMonitor:
+    """Measures one rank's memory per step (see the module docstring).
+
+    Args:
+        module, optimizer: this rank's stage module and optimizer (their tensors are labelled by identity).
+        device: this rank's compute device.
+        track: ``Config.track_memory`` (``None``: auto, on when ``capacity`` is given).
+        capacity: emulation only, this rank's memory capacity in bytes (``None``: no check).
+        rank, world_size, device_names, predicted: for the out-of-memory check and the table (``predicted``:
+            the plan's per-rank predicted peak bytes, possibly empty).
+    """
+
+    def __init__(self, module: nn.Module, optimizer, device: torch.device, track: bool | None,
+                 capacity: float | None, rank: int, world_size: int, device_names: tuple[str, ...] = (),
+                 predicted: tuple[float, ...] = ()) -> None:
+        self.module, self.optimizer, self.device = module, optimizer, device
+        self.rank, self.world_size, self.capacity = rank, world_size, capacity
+        self.names, self.predicted = device_names, predicted
+        self.cuda = device.type == "cuda" and track is not False
+        self.tracker = StorageTracker() if track or (track is None and capacity is not None) else None
+        self.steps, self.peak, self.at_peak, self.category_peaks = 0, 0, {}, dict.fromkeys(CATEGORIES, 0)
+        if self.tracker is not None:
+            self._hook()
+
+    @classmethod
+    def for_rank(cls, module: nn.Module, optimizer, ctx, plan) -> MemoryMonitor:
+        """The monitor of an engine: ``ctx`` (:class:`whale.runtime.context.Context`) gives the device, the
+        config's ``track_memory`` and, under an emulated cluster, the rank's capacity; ``plan`` the device names
+        and predicted bytes."""
+        from whale.cluster import memory_capacity
+
+        emulated = ctx.cluster is not None and ctx.cluster.emulate
+        return cls(module, optimizer, ctx.device, ctx.config.track_memory,
+                   memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank, ctx.world_size,
+                   plan.devices, plan.predicted_memory)
+
+    @property
+    def enabled(self) -> bool:
+        """True when steps are measured."""
+        return self.tracker is not None or self.cuda
+
+    def _hook(self) -> None:
+        tr = self.tracker
+        self._handles = [p.register_post_accumulate_grad_hook(lambda p: tr.label(p.grad, "gradients"))
+                         for p in self.module.parameters() if p.requires_grad]
+        self._handles += [self.optimizer.register_step_pre_hook(lambda *a: setattr(tr, "in_optimizer", True)),
+                          self.optimizer.register_step_post_hook(lambda *a: setattr(tr, "in_optimizer", False))]
+
+    def _label_state(self) -> None:
+        tr = self.tracker
+        for p in self.module.parameters():
+            tr.label(p, "parameters")
+            tr.label(p.grad, "gradients")
+        for b in self.module.buffers():
+            tr.label(b, "buffers")
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    tr.label(v, "optimizer_state")
+
+    @contextmanager
+    def tracking(self):
+        """Measure the step inside: the tracker is on (and the CUDA peak reset) only within it."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.tracker is None:
+            yield
+            return
+        self._label_state()
+        self.tracker.reset_peak()
+        with self.tracker:
+            yield
+
+    def _static_bytes(self) -> dict[str, int]:
+        """CUDA without the tracker: live bytes of parameters, gradients and optimizer state by identity."""
+        seen: set[int] = set()
+
+        def size(ts) -> int:
+            """Bytes of the distinct storages of ``ts``."""
+            out = 0
+            for t in ts:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    out += t.untyped_storage().nbytes()
+            return out
+        params = list(self.module.parameters())
+        return {"parameters": size(params), "gradients": size(p.grad for p in params),
+                "optimizer_state": size(v for s in self.optimizer.state.values() for v in s.values())}
+
+    def end_step(self) -> dict:
+        """The step's metrics (empty when not measuring): ``peak_memory_bytes`` and ``memory`` (bytes per
+        category at the peak), ``memory_category_peaks`` (each category's own peak, tracker only). Collective
+        under emulation (every rank must call it).
+
+        Raises:
+            EmulatedOutOfMemoryError: under emulation, some rank's peak exceeded its capacity (on every rank).
+        """
+        if not self.enabled:
+            return {}
+        out = {}
+        if self.tracker is not None:
+            tr = self.tracker
+            peak, at_peak, cats = tr.peak, dict(tr.at_peak), dict(tr.category_peaks)
+            out["memory_category_peaks"] = cats
+            self.category_peaks = {c: max(v, self.category_peaks[c]) for c, v in cats.items()}
+        else:
+            at_peak, peak = self._static_bytes(), 0
+        if self.cuda:
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+            if self.tracker is None:
+                at_peak["activations_and_temporaries"] = max(0, peak - sum(at_peak.values()))
+        out.update(peak_memory_bytes=peak, memory=at_peak)
+        self.steps += 1
+        if peak >= self.peak:
+            self.peak, self.at_peak = peak, at_peak
+        if self.capacity is not None:
+            self._check_capacity(peak)
+        return out
+
+    def _check_capacity(self, peak: int) -> None:
+        """All ranks exchange (peak, capacity); any rank over capacity stops every rank with the same error."""
+        t = torch.zeros(2 * self.world_size, dtype=torch.float64)
+        t[2 * self.rank], t[2 * self.rank + 1] = float(peak), float(self.capacity)
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        over = [(r, self._name(r), int(t[2 * r]), int(t[2 * r + 1]), self._predicted(r))
+                for r in range(self.world_size) if t[2 * r] > t[2 * r + 1]]
+        if over:
+            raise EmulatedOutOfMemoryError(over)
+
+    def _name(self, rank: int) -> str:
+        return self.names[rank] if rank < len(self.names) else self.device.type
+
+    def _predicted(self, rank: int) -> float | None:
+        return self.predicted[rank] if rank < len(self.predicted) else None
+
+    def row(self, stage: int, lane: int) -> dict:
+        """This rank's row of the memory table (peak over all measured steps; see :func:`memory_rows`)."""
+        return {"rank": self.rank, "stage": stage, "lane": lane, "device": self._name(self.rank),
+                "steps": self.steps, "peak_bytes": self.peak, "at_peak": dict(self.at_peak),
+                "category_peaks": dict(self.category_peaks) if self.tracker is not None else {},
+                "capacity_bytes": self.capacity, "predicted_bytes": self._predicted(self.rank)}
+
+    def close(self) -> None:
+        """Remove the tracker's hooks (the engine no longer measures)."""
+        for h in getattr(self, "_handles", []):
+            h.remove()
+        self._handles = []
+
+
+def memory_rows(monitor: MemoryMonitor, stage: int, lane: int) -> list[dict]:
+    """Every rank's row (collective: all ranks call it; rows in rank order). Each row: ``rank``, ``stage``,
+    ``lane``, ``device``, ``steps`` measured, ``peak_bytes`` (highest step peak), ``at_peak`` (bytes per
+    category at that peak), ``category_peaks`` (each category's own peak), ``capacity_bytes`` (emulation, else
+    None) and ``predicted_bytes`` (the planner's, or None)."""
+    row = monitor.row(stage, lane)
+    if monitor.world_size == 1 or not dist.is_initialized():
+        return [row]
+    rows: list = [None] * monitor.world_size
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def memory_table(engine) -> tuple[list[dict], str]:
+    """Every rank's measured memory over the run so far (collective: every rank calls it): the rows of
+    :func:`memory_rows` (bytes) and the printable table (:func:`format_memory_table`) of ``engine``
+    (a :class:`whale.Engine`)."""
+    rows = memory_rows(engine.memory, engine.stage, engine.lane)
+    return rows, format_memory_table(rows)
+
+
+def format_memory_table(rows: list[dict]) -> str:
+    """The rows of :func:`memory_rows` as a printable table (MiB = 2**20 bytes); a note when nothing was
+    measured."""
+    if not rows or not any(r["steps"] for r in rows):
+        return "memory: not measured (Config(track_memory=True) to measure on CPU)"
+    cats = [c for c in CATEGORIES if any(r["at_peak"].get(c) for r in rows)] or ["parameters"]
+    cats += ["activations_and_temporaries"] if any("activations_and_temporaries" in r["at_peak"] for r in rows) else []
+    head = ["rank", "stage", "lane", "device", "peak MiB"] + [f"{c} MiB" for c in cats]
+    head += ["act peak MiB", "capacity MiB", "predicted MiB", "pred/meas"]
+    mib = lambda b: f"{b / 2**20:.2f}" if b is not None else "-"  # noqa: E731
+    lines = []
+    for r in rows:
+        pred = r["predicted_bytes"]
+        cells = [str(r["rank"]), str(r["stage"]), str(r["lane"]), r["device"], mib(r["peak_bytes"])]
+        cells += [mib(r["at_peak"].get(c, 0)) for c in cats]
+        cells += [mib(r["category_peaks"].get("activations")), mib(r["capacity_bytes"]), mib(pred),
+                  f"{pred / r['peak_bytes']:.2f}" if pred and r["peak_bytes"] else "-"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return "\n".join(["measured memory per rank (peak of any step; categories at that peak)", fmt(head),
+                      *map(fmt, lines)])
+
