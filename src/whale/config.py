@@ -46,6 +46,11 @@ class Config:
             (``torch.export``, non-strict: Hugging Face models and most Python; needs a sample batch),
             ``"fx"`` (``torch.fx.symbolic_trace``: no sample needed) or ``"auto"`` (export when a sample
             batch is given, else fx).
+        zero: ZeRO stage (Rajbhandari et al., "ZeRO", SC 2020) over each pipeline stage's data-parallel lanes:
+            0 off; 1 shards the optimizer state (each lane steps its slice of the stage's replicated parameters,
+            then the slices are broadcast back); 2 also shards gradients (reduce-scatter instead of
+            all-reduce). On a cluster spec the slices follow each device's free memory. Needs an elementwise
+            optimizer (SGD, Adam, AdamW, ...). ZeRO-3 (parameters sharded) is not implemented.
     """
 
     num_micro_batch: int = 1
@@ -59,6 +64,7 @@ class Config:
     bucket_cap_mb: float = 25.0
     backend: str | None = None
     capture: str = "auto"
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -72,6 +78,11 @@ class Config:
             raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
         if self.capture not in ("auto", "export", "fx"):
             raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            hint = (" ZeRO-3 (parameters sharded, gathered before use) is not implemented in Whale; use zero=2, "
+                    "or torch.distributed.fsdp.fully_shard directly for even shards") if self.zero == 3 else ""
+            raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; choose 0 (off), 1 (optimizer state "
+                              f"sharded) or 2 (optimizer state and gradients sharded).{hint}")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (MiB per all-reduce bucket)")
         if self.load_shares is not None:

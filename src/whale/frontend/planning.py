@@ -16,7 +16,7 @@ import os
 import torch
 from torch import nn
 
-from whale.cluster import ClusterSpec, detect_cluster
+from whale.cluster import ClusterSpec, detect_cluster, memory_capacity
 from whale.config import Config
 from whale.frontend import hwplan
 from whale.frontend.export import capture_inputs
@@ -26,6 +26,7 @@ from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
+from whale.plan.zero import with_zero_weights
 from whale.splitrules import check_split_plan
 
 
@@ -104,7 +105,9 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         params = hwplan.stage_param_names(plan.stage_cuts, model)
         memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch))
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
-    return apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
+    plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
+    return with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)],
+                             hwplan.lane_activation_bytes(plan, memory) if memory is not None else None)
 
 
 def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,

@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.loss import SumOverCount
-from whale.parallel.data import GradSync, broadcast_params
+from whale.parallel.data import broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
 from whale.parallel.stages import build_stage
+from whale.parallel.zero import build_grad_sync
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
@@ -55,7 +56,9 @@ class Engine:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
             :meth:`load_checkpoint`.
         module: this rank's stage module (the whole model when there is one stage); original FQNs.
-        optimizer: the optimizer over this rank's parameters (attach LR schedulers to it).
+        optimizer: the optimizer over this rank's parameters (attach LR schedulers to it); under ZeRO its groups
+            hold this lane's slices of the stage's replicated parameters (:mod:`whale.parallel.zero`).
+        zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero>=1)``, else ``None``.
         stage, lane: this rank's pipeline stage and data-parallel lane.
         last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
 
@@ -89,10 +92,13 @@ class Engine:
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
         self.optimizer = bind_optimizer(optimizer, self.module, full_params, self.split.origins)
-        self.grad_sync = GradSync(groups, ctx.config.bucket_cap_mb)
+        self.grad_sync, self.zero = build_grad_sync(plan, self.stage, self.lane, groups, self.mesh.lanes,
+                                                    self.optimizer, ctx.config.bucket_cap_mb)  # ZeRO: parallel/zero.py
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
         self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
+        if self.zero is not None:
+            self._norm_owner = self.zero.norm_params(self._norm_owner)
         links = StageLinks(self.stage, plan.num_stages)
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
@@ -222,6 +228,8 @@ class Engine:
         loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps clipping and the update
         norm = self._clip() if self.ctx.config.max_grad_norm else None
         self.optimizer.step()
+        if self.zero is not None:
+            self.zero.gather()  # every lane's updated slices to every lane
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self._zero_grad()
         (loss,) = [float(self.grad_sync.extra[0])] if fused else loss_sum()
@@ -251,7 +259,8 @@ class Engine:
         norm = total ** 0.5
         coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in self.module.parameters():
+            params = self.module.parameters()
+            for p in self.zero.clip_targets(params) if self.zero is not None else params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
