@@ -112,8 +112,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,spec", CASES, ids=[f"w{w}-zero{s['zero']}-{'cluster' if 'cluster' in s else 'weights' if 'weights' in s else 'even'}"
-                                                   for w, s in CASES])
+def _case_id(world, spec):
+    how = "cluster" if "cluster" in spec else "weights" if "weights" in spec else "even"
+    return f"w{world}-zero{spec['zero']}-{how}"
+
+
+@pytest.mark.parametrize("world,spec", CASES, ids=[_case_id(w, s) for w, s in CASES])
 def test_zero_matches_one_process_and_shards_the_optimizer_state(world, spec):
     results = run_ranks(_equivalence, world, spec, timeout=120)
     for r in results:
