@@ -5,7 +5,7 @@ Layout. The stage's replicated parameters (those whose gradients :class:`~whale.
 over the stage's lanes: not split shards, whose state is already cut, and not parameters tied across stages,
 which are summed over their own group and stay whole) are bucketed by GradSync; each bucket's parameters become
 views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into contiguous lane
-ranges by :func:`whale.plan.balance.proportional_shares` of the plan's ``zero_weights`` (sized by each device's
+ranges by :func:`whale.plan.zero.whole_shares` of the plan's ``zero_weights`` (sized by each device's
 free memory, :mod:`whale.plan.zero`). A lane owns its range of every bucket, so its share of the state is its
 weight's share. Its *pieces*: one ``nn.Parameter`` per model parameter overlapping its range, a view of that
 part of the flat buffer. The user's optimizer keeps its param groups; each group's parameters are replaced by
@@ -46,9 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.parallel.data import GradSync, _Bucket
-from whale.plan.balance import proportional_shares
 from whale.plan.plan import Plan
-from whale.plan.zero import zero_shard_weights
+from whale.plan.zero import whole_shares, zero_shard_weights
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)
@@ -125,7 +124,7 @@ class ZeroShards:
         self.buckets, self.group, self.level = buckets, group, level
         self.sources = [dist.get_global_rank(group, g) for g in range(len(lanes))]
         me = lanes.index(lane)
-        self.bounds = [[0, *itertools.accumulate(proportional_shares(b.grad_numel, [weights[x] for x in lanes]))]
+        self.bounds = [[0, *itertools.accumulate(whole_shares(b.grad_numel, [weights[x] for x in lanes]))]
                        for b in buckets]
         self.mine = [(bd[me], bd[me + 1]) for bd in self.bounds]
         self.sizes = [b.buf.numel() for b in buckets]
