@@ -88,12 +88,16 @@ def _equivalence(rank, world, spec):
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=name: f"{n}: {m}")
+    out = {"stage": engine.stage, "lane": engine.lane, "total": state_bytes(opt),
+           "lrs": [g["lr"] for g in opt.param_groups],
+           "weights": engine.plan.zero_weights[engine.stage] if engine.plan.zero_weights else None}
     zero = engine.zero
-    sharded = 0 if zero is None else sum(state_bytes_of(opt, pc.param) for pc in zero.pieces)
-    trainable = 0 if zero is None else sum(p.numel() * 8 for b in zero.buckets for p in b.params if p.requires_grad)
-    weights = engine.plan.zero_weights[engine.stage] if engine.plan.zero_weights else None
-    return {"stage": engine.stage, "lane": engine.lane, "sharded": sharded, "trainable": trainable,
-            "total": state_bytes(opt), "lrs": [g["lr"] for g in opt.param_groups], "weights": weights}
+    for kind, lanes in (("lanes", True), ("tied", False)):  # the stage's lanes; a tensor tied across stages
+        mine = [k for k, b in enumerate(zero.buckets) if (b.group is engine.mesh.lanes) == lanes] if zero else []
+        out[kind] = sum(state_bytes_of(opt, pc.param) for pc in zero.pieces if pc.bucket in mine) if zero else 0
+        out[f"{kind}_trainable"] = sum(p.numel() * 8 for k in mine for p in zero.buckets[k].params
+                                       if p.requires_grad)
+    return out
 
 
 def state_bytes_of(opt, param) -> int:
@@ -125,10 +129,13 @@ def test_zero_matches_one_process_and_shards_the_optimizer_state(world, spec):
     for stage in {r["stage"] for r in results}:
         lanes = sorted((r for r in results if r["stage"] == stage), key=lambda r: r["lane"])
         weights = lanes[0]["weights"] or (1.0,) * len(lanes)
-        assert sum(r["sharded"] for r in lanes) == lanes[0]["trainable"] > 0  # every element's state once
+        assert sum(r["lanes"] for r in lanes) == lanes[0]["lanes_trainable"] > 0  # every element's state once
         for r, w in zip(lanes, weights, strict=True):
-            share = r["sharded"] / lanes[0]["trainable"]
+            share = r["lanes"] / lanes[0]["lanes_trainable"]
             assert share == pytest.approx(w / sum(weights), abs=0.04), (stage, r["lane"], share, weights)
+    if world == 4:  # the tied embedding/head: sliced over every rank of both stages, each element once
+        assert sum(r["tied"] for r in results) == results[0]["tied_trainable"] > 0
+        assert all(0 < r["tied"] < results[0]["tied_trainable"] for r in results)
     if "cluster" in spec:  # a 32 GB device holds more of the state than a 16 GB one
         assert all(r["weights"][0] > 1.5 * r["weights"][1] for r in results)
 

@@ -41,6 +41,7 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
+from whale.parallel.zero import state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
 
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+      help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
+           "gradients (slices sized by each device's free memory on a cluster spec); 3 is not implemented")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -261,7 +265,7 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster))
+                            cluster=args.cluster, zero=args.zero))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
@@ -288,6 +292,7 @@ def run(argv: list[str] | None = None) -> None:
     state["steps_done"] = end
     save(engine, args, end, batches, state)
     full = engine.full_state_dict()
+    state["optimizer_state_bytes"] = optimizer_state_bytes(engine)
     bubble = bubble_report(engine, args)
     scalars.close(end, bubble)
     if ctx.rank == 0:
@@ -295,6 +300,19 @@ def run(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def optimizer_state_bytes(engine: wh.Engine) -> list[int]:
+    """Bytes of every rank's optimizer state tensors (AdamW's moments), by rank (collective)."""
+    mine = state_bytes(engine.optimizer)
+    if not dist.is_initialized():
+        return [mine]
+    out: list = [None] * engine.world_size
+    dist.all_gather_object(out, mine)
+    if engine.rank == 0:
+        print(f"optimizer state per rank (ZeRO-{engine.plan.zero}): "
+              + ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(out)), flush=True)
+    return out
 
 
 def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
@@ -312,7 +330,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         train_loss=state["train_loss"],
         tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
-        schedule=args.schedule, bubble=bubble, config=vars(args), sample=text,
+        schedule=args.schedule, bubble=bubble, config=vars(args), sample=text, zero=engine.plan.zero,
+        optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

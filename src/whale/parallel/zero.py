@@ -2,14 +2,15 @@
 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020).
 
 Layout. The stage's replicated parameters (those whose gradients :class:`~whale.parallel.data.GradSync` sums
-over the stage's lanes: not split shards, whose state is already cut, and not parameters tied across stages,
-which are summed over their own group and stay whole) are bucketed by GradSync; each bucket's parameters become
-views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into contiguous lane
-ranges by :func:`whale.plan.zero.whole_shares` of the plan's ``zero_weights`` (sized by each device's
-free memory, :mod:`whale.plan.zero`). A lane owns its range of every bucket, so its share of the state is its
-weight's share. Its *pieces*: one ``nn.Parameter`` per model parameter overlapping its range, a view of that
-part of the flat buffer. The user's optimizer keeps its param groups; each group's parameters are replaced by
-their pieces on this lane. An elementwise optimizer (SGD, Adam, AdamW, ...) steps a piece exactly as it would
+over the stage's lanes; not split shards, whose state is already cut) are bucketed by GradSync; each bucket's
+parameters become views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into
+contiguous lane ranges by :func:`whale.plan.zero.whole_shares` of the plan's ``zero_weights`` (sized by each
+device's free memory, :mod:`whale.plan.zero`). A lane owns its range of every bucket, so its share of the state
+is its weight's share. A parameter tied across stages (an input embedding and LM head) is summed over every
+rank of every stage holding it; its bucket is sliced over that group, each rank by its share of its own stage.
+A rank's *pieces*: one ``nn.Parameter`` per model parameter overlapping its ranges, a view of that part of the
+flat buffer. The user's optimizer keeps its param groups; each group's parameters are replaced by their pieces
+on this rank. An elementwise optimizer (SGD, Adam, AdamW, ...) steps a piece exactly as it would
 step those elements of the whole parameter; per-parameter state such as Adam's step count stays per parameter,
 and a parameter no rank computed a gradient for (frozen, unused) has no gradient on its pieces, so the
 optimizer skips it as in one process.
@@ -26,7 +27,7 @@ Per step:
   micro-batch as DeepSpeed does, keeps the pipeline's traffic as without ZeRO).
 - after ``optimizer.step()``: each lane broadcasts its updated ranges to the others (``dist.broadcast`` per lane
   range; gloo's ``all_gather`` refuses uneven sizes), so every lane holds whole parameters again.
-- clipping: the global norm adds each lane's pieces (every element counted once over the lanes).
+- clipping: the global norm adds each rank's pieces (every element counted once over its group).
 
 Why Whale's own code and not FSDP2 (``fully_shard``): FSDP2 shards every parameter evenly on dim 0 (``Shard(0)``
 DTensors, padded to equal chunks); it cannot give a 32 GB device a larger slice than a 16 GB one, which is the
@@ -104,29 +105,27 @@ class _Works:
 
 
 class ZeroShards:
-    """This lane's slices of a stage's replicated parameters, gradients (stage 2) and optimizer state.
+    """This rank's slices of a stage's replicated parameters, gradients (stage 2) and optimizer state.
 
     Args:
-        buckets: GradSync's buckets of the stage's lanes group (their parameters become flat-buffer views).
-        group: the stage's data-parallel group (every lane).
-        lanes: lane index of each group rank (group rank order).
-        lane: this rank's lane.
-        weights: relative shard size per lane (by lane index; >= 0, positive sum).
+        buckets: GradSync's buckets to shard (their parameters become flat-buffer views), each over its own
+            group: the stage's lanes, or the ranks of every stage holding a tied parameter.
+        weights: per bucket, the relative slice of each group rank (group rank order; >= 0, positive sum).
         level: the ZeRO stage, 1 or 2.
 
     Attributes:
-        pieces: this lane's parts of parameters (the optimizer's parameters in place of the whole ones).
-        bounds: per bucket, the lane ranges in group rank order (``bounds[k][g]:bounds[k][g + 1]``).
+        pieces: this rank's parts of parameters (the optimizer's parameters in place of the whole ones).
+        bounds: per bucket, the group ranks' ranges (``bounds[k][g]:bounds[k][g + 1]``).
     """
 
-    def __init__(self, buckets: list[_Bucket], group, lanes: list[int], lane: int, weights: tuple[float, ...],
-                 level: int) -> None:
-        self.buckets, self.group, self.level = buckets, group, level
-        self.sources = [dist.get_global_rank(group, g) for g in range(len(lanes))]
-        me = lanes.index(lane)
-        self.bounds = [[0, *itertools.accumulate(whole_shares(b.grad_numel, [weights[x] for x in lanes]))]
-                       for b in buckets]
-        self.mine = [(bd[me], bd[me + 1]) for bd in self.bounds]
+    def __init__(self, buckets: list[_Bucket], weights: list[list[float]], level: int) -> None:
+        self.buckets, self.level = buckets, level
+        self.sources = [[dist.get_global_rank(b.group, g) for g in range(len(w))]
+                        for b, w in zip(buckets, weights, strict=True)]
+        self.bounds = [[0, *itertools.accumulate(whole_shares(b.grad_numel, w))]
+                       for b, w in zip(buckets, weights, strict=True)]
+        me = [dist.get_rank(b.group) for b in buckets]
+        self.mine = [(bd[g], bd[g + 1]) for bd, g in zip(self.bounds, me, strict=True)]
         self.sizes = [b.buf.numel() for b in buckets]
         self.flats = [self._flatten(b) for b in buckets]
         self.pieces: list[_Piece] = []
@@ -176,9 +175,9 @@ class ZeroShards:
         lane's shard-gradient buffer), and its used flags and loss slot on every lane."""
         k = next(i for i, x in enumerate(self.buckets) if x is b)
         bd = self.bounds[k]
-        parts = [b.buf[bd[g]: bd[g + 1]] for g in range(len(self.sources))]
-        return _Works([dist.reduce_scatter(self.shard_grads[k], parts, group=self.group, async_op=True),
-                       dist.all_reduce(b.buf[b.grad_numel:], group=self.group, async_op=True)])
+        parts = [b.buf[bd[g]: bd[g + 1]] for g in range(len(self.sources[k]))]
+        return _Works([dist.reduce_scatter(self.shard_grads[k], parts, group=b.group, async_op=True),
+                       dist.all_reduce(b.buf[b.grad_numel:], group=b.group, async_op=True)])
 
     def after_reduce(self) -> None:
         """Give every piece its reduced gradient slice (``None`` where no rank used the parameter); stage 2 then
@@ -217,10 +216,10 @@ class ZeroShards:
         """After ``optimizer.step()``: every lane broadcasts its updated ranges, so all hold whole parameters
         (collective over the group; every lane calls it)."""
         works = []
-        for flat, bd in zip(self.flats, self.bounds, strict=True):
-            for g, src in enumerate(self.sources):
+        for b, flat, bd, sources in zip(self.buckets, self.flats, self.bounds, self.sources, strict=True):
+            for g, src in enumerate(sources):
                 if bd[g] < bd[g + 1]:
-                    works.append(dist.broadcast(flat[bd[g]: bd[g + 1]], src=src, group=self.group, async_op=True))
+                    works.append(dist.broadcast(flat[bd[g]: bd[g + 1]], src=src, group=b.group, async_op=True))
         for w in works:
             w.wait()
 
@@ -271,11 +270,14 @@ class ShardedGradSync(GradSync):
             self.zero.zero_grad()
 
 
-def build_grad_sync(plan: Plan, stage: int, lane: int, param_groups: list, lanes_group, optimizer,
+def build_grad_sync(plan: Plan, stage: int, param_groups: list, lanes_group, tied_groups: list, optimizer,
                     bucket_cap_mb: float) -> tuple[GradSync, ZeroShards | None]:
-    """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards over ``lanes_group``
-    (the optimizer's groups re-pointed at this lane's pieces). ``param_groups[0]`` must be the stage's lanes
-    entry (:func:`whale.runtime.groups.sync_sets`). No shards with one lane.
+    """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
+    re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
+    stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
+    rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
+    parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
+    split shards are never sharded again. No shards where no group has several ranks.
 
     Raises:
         ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
@@ -284,13 +286,25 @@ def build_grad_sync(plan: Plan, stage: int, lane: int, param_groups: list, lanes
         return GradSync(param_groups, bucket_cap_mb), None
     check_optimizer(optimizer)
     sync = ShardedGradSync(param_groups, bucket_cap_mb)
-    if lanes_group is None:
-        return sync, None
     own = {id(p) for p in param_groups[0][1]}
-    buckets = [b for b in sync.buckets if b.group is lanes_group and all(id(p) in own for p in b.params)]
+    buckets, weights = [], []
+    for b in sync.buckets:
+        if lanes_group is not None and b.group is lanes_group and all(id(p) in own for p in b.params):
+            buckets.append(b)
+        elif any(b.group is g for g in tied_groups if g is not None):
+            buckets.append(b)
+        else:
+            continue
+        ranks = [plan.coords(dist.get_global_rank(b.group, g)) for g in range(dist.get_world_size(b.group))]
+        weights.append([_relative(plan, s, lane) for s, lane in ranks])
     if not buckets:
         return sync, None
-    lanes = [plan.coords(dist.get_global_rank(lanes_group, g))[1] for g in range(dist.get_world_size(lanes_group))]
-    sync.zero = ZeroShards(buckets, lanes_group, lanes, lane, zero_shard_weights(plan, stage), plan.zero)
+    sync.zero = ZeroShards(buckets, weights, plan.zero)
     sync.zero.bind(optimizer)
     return sync, sync.zero
+
+
+def _relative(plan: Plan, stage: int, lane: int) -> float:
+    """A lane's share of its stage's ZeRO state (its weight over the stage's total)."""
+    w = zero_shard_weights(plan, stage)
+    return w[lane] / sum(w)
