@@ -216,3 +216,33 @@ def _factored(rank, world):
 def test_zero_refuses_an_optimizer_that_is_not_elementwise():
     for msg in run_ranks(_factored, 2):
         assert msg is not None and "Adafactor" in msg and "zero=0" in msg and "AdamW" in msg, msg
+
+
+# --- stages of different widths (a 2-lane stage feeding a 1-lane stage), SGD with momentum ------------------
+def _widths(rank, world, zero):
+    ctx = wh.init(wh.Config(num_micro_batch=2, zero=zero, max_grad_norm=CLIP))
+    torch.manual_seed(0)
+    model = TinyLM(stage_layers=(1, 1), stage_widths=(2, 1))
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, wh.token_cross_entropy(),
+                            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ctx=ctx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for x, y in lm_batches(3, 8):
+        losses.append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    return len(engine.zero.pieces)
+
+
+def test_zero2_with_stages_of_different_widths():
+    assert all(n > 0 for n in run_ranks(_widths, 3, 2, timeout=120))

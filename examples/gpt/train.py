@@ -41,7 +41,7 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
-from whale.parallel.zero import state_bytes  # noqa: E402
+from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
 
@@ -303,16 +303,18 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def optimizer_state_bytes(engine: wh.Engine) -> list[int]:
-    """Bytes of every rank's optimizer state tensors (AdamW's moments), by rank (collective)."""
-    mine = state_bytes(engine.optimizer)
-    if not dist.is_initialized():
-        return [mine]
-    out: list = [None] * engine.world_size
-    dist.all_gather_object(out, mine)
+    """Bytes of every rank's optimizer state tensors (AdamW's moments), by rank (collective); rank 0 also prints
+    the gradient bytes each rank holds between steps."""
+    mine = [state_bytes(engine.optimizer), held_gradient_bytes(engine.grad_sync)]
+    out: list = [mine]
+    if dist.is_initialized():
+        out = [None] * engine.world_size
+        dist.all_gather_object(out, mine)
     if engine.rank == 0:
-        print(f"optimizer state per rank (ZeRO-{engine.plan.zero}): "
-              + ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(out)), flush=True)
-    return out
+        for i, what in enumerate(("optimizer state", "gradients held between steps")):
+            print(f"{what} per rank (ZeRO-{engine.plan.zero}): "
+                  + ", ".join(f"rank {r}: {b[i] / 2**20:.2f} MiB" for r, b in enumerate(out)), flush=True)
+    return [b[0] for b in out]
 
 
 def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:

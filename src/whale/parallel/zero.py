@@ -80,6 +80,14 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
+def held_gradient_bytes(grad_sync: GradSync) -> int:
+    """Bytes of gradient storage ``grad_sync`` holds right now: its bucket buffers and, under ZeRO-2, the
+    shard gradients (between steps ZeRO-2 holds only the shards of the buckets it frees)."""
+    zero = getattr(grad_sync, "zero", None)
+    shards = zero.shard_grads if zero is not None else []
+    return sum(t.numel() * t.element_size() for t in [*(b.buf for b in grad_sync.buckets), *shards])
+
+
 @dataclass
 class _Piece:
     """This lane's part of one parameter: elements ``lo:hi`` of bucket ``bucket``'s flat buffer."""
