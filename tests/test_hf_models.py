@@ -104,7 +104,7 @@ def _train(rank, world, kind, mb, split=False):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_model_dp2_pp2_matches_one_process(kind):
-    results = run_ranks(_train, 4, kind, 2, timeout=120)
+    results = run_ranks(_train, 4, kind, 2, timeout=300)
     assert all(r[0] == "export" for r in results)
     assert len({tuple(r[1]) for r in results}) == 1  # every rank reports the same global loss
     assert all(abs(r[2] - results[0][2]) < 1e-6 for r in results)  # eval_step agrees on every rank
@@ -114,7 +114,7 @@ def test_hf_model_dp2_pp2_matches_one_process(kind):
 def test_hf_model_pp2_with_dp_and_split_heads_matches_one_process(kind):
     """World 4: 2 pipeline stages, each 2 devices wide (2 data-parallel lanes) with its attention heads and MLP
     split over them."""
-    results = run_ranks(_train, 4, kind, 2, True, timeout=180)
+    results = run_ranks(_train, 4, kind, 2, True, timeout=300)
     assert all(r[0] == "export" for r in results)
     assert [r[3] for r in results] == [2, 2, 2, 2]  # attention + MLP regions on every rank of both stages
 

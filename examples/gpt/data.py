@@ -211,6 +211,8 @@ class TokenBatches:
     ``state_dict()`` / ``load_state_dict()`` save and restore it so a resumed run continues exactly.
 
     Iterating yields ``(x, y)``, both int64 ``[batch_size, seq_len]``, ``y`` being ``x`` shifted by one token.
+    With ``rows`` set (this rank's positions in every global batch, :func:`whale.local_rows`) it yields only
+    those rows, ``[len(rows), seq_len]``: a rank reads only the windows it trains on (``engine.step_local``).
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0):
@@ -218,11 +220,14 @@ class TokenBatches:
             raise ValueError(f"token stream of {len(tokens)} is too short for seq_len {seq_len}")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
         self.step = 0
+        self.rows: list[int] | None = None  # None: the whole global batch
 
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k-th global batch (x, y), each [B, T] int64; does not move the position."""
+        """The k-th global batch (x, y), each [B, T] int64, or its ``rows`` when set; does not move the position."""
         rng = np.random.default_rng([self.seed, k])
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        if self.rows is not None:
+            starts = starts[np.asarray(self.rows, dtype=np.int64)]
         return _windows(self.tokens, starts, self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -7,7 +7,9 @@ Launch (from the repo root; ``make train`` does the first)::
     python examples/gpt/train.py --stages 1                # one process, plain data parallel of one
 
 The world size must be a multiple of ``--stages``; ``world / stages`` lanes of data parallelism wrap the
-pipeline. Every rank draws the same global batch ``[batch_size, seq_len]``; Whale slices each rank's rows.
+pipeline. Each rank reads only its own rows of every global batch ``[batch_size, seq_len]`` (``wh.local_rows``
+under the plan's shares, stepped with ``engine.step_local``; a middle pipeline stage reads nothing);
+``--global-batches`` gives every rank the whole batch instead and Whale slices the rows (the same training).
 Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, and writes
 a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an
 uninterrupted run (model, optimizer, RNG, step and data position are restored; the LR is a function of
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="blocks per stage as annotated, e.g. 3,1 (default: even); on a mixed cluster the hardware-aware planner "
            "re-cuts the stages by device speed (the annotations then fix only the stage count)")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+    a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+      help="autocast dtype of the forward; fp16 adds dynamic loss scaling (master weights stay fp32)")
     a("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: start/end only)")
     a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--prompt", default="Ham.\n", help="prompt for the generated sample")
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
+    a("--global-batches", action="store_true", help="give every rank the whole global batch (engine.step) "
+      "instead of its own rows (engine.step_local)")
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     a("--zero", type=int, default=0, choices=[0, 1, 2, 3],
       help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
@@ -187,10 +193,16 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
     for step in range(start, end):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, args, state["lr_horizon"])
-        m = engine.step(next(batches))
+        batch = next(batches)  # this rank's rows only (unless --global-batches)
+        if args.global_batches:
+            m = engine.step(batch)
+        else:  # stage 0 needs the inputs, the last stage the targets, a middle stage nothing
+            m = engine.step_local(batch if batches.rows else None, args.batch_size)
         state["train_time"] += m["step_time"]
         state["train_tokens"] += tokens_per_step
         state["train_loss"].append(m["loss"])
+        if "loss_scale" in m:  # fp16: the dynamic loss scale and the steps an overflow skipped (on every rank)
+            state["loss_scale"], state["skipped_steps"] = m["loss_scale"], state.get("skipped_steps", 0) + m["skipped"]
         tok_s = state["train_tokens"] / state["train_time"]
         lr = lr_at(step, args, state["lr_horizon"])
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.1e}")
@@ -265,12 +277,15 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster, zero=args.zero))
+                            cluster=args.cluster, precision=args.precision, zero=args.zero))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
+    if not args.global_batches:  # after a resume: its plan may carry the checkpoint's shares
+        loads = engine.stage in (0, engine.plan.num_stages - 1)
+        batches.rows = wh.local_rows(engine.plan, ctx.rank, args.batch_size) if loads else []
     if start >= args.steps:
         raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
                           f"nothing to do; pass --steps larger than {start} to train further")
@@ -324,6 +339,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
     tok_s = state["train_tokens"] / max(state["train_time"], 1e-9)
     print(f"\nheld-out loss: initial {state['val0']:.4f} -> final {final:.4f} (drop {drop:.3f} nats)")
     print(f"throughput {tok_s:,.0f} tokens/s; wall time {wall_s:.1f} s; checkpoint in {args.ckpt_dir}")
+    if "loss_scale" in state:
+        print(f"fp16: final loss scale {state['loss_scale']:g}, {state['skipped_steps']} step(s) skipped on overflow")
     text = sample(cfg, full, args) if args.sample_tokens else ""
     if text:
         print("\n--- sample ---\n" + text + "\n--------------")
@@ -332,7 +349,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         train_loss=state["train_loss"],
         tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
-        schedule=args.schedule, bubble=bubble, config=vars(args), sample=text, zero=engine.plan.zero,
+        schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
+        bubble=bubble, config=vars(args), sample=text, zero=engine.plan.zero,
         optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from whale.annotation import AnnotationError, annotate, replicate, set_default_strategy, split
-from whale.config import Config, ConfigError
+from whale.config import Config, ConfigError, LossScale
 from whale.frontend import plan_model
 from whale.frontend.graph import StageError
 from whale.loss import SumOverCount, token_cross_entropy
@@ -32,13 +32,14 @@ _LAZY = {
     "parallelize": "whale.runtime.parallelize", "ShardedLogits": "whale.parallel.bridge",
     "accuracy": "whale.parallel.bridge", "cross_entropy": "whale.parallel.bridge",
     "BatchError": "whale.runtime.batch", "OptimizerError": "whale.runtime.optim",
+    "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
 }
 
 __all__ = [
-    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "OptimizerError", "Plan",
-    "PlanError", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy",
-    "annotate", "cross_entropy", "init", "make_schedule", "parallelize", "plan_model", "register_split_rule",
-    "replicate", "set_default_strategy", "split", "token_cross_entropy",
+    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "Engine", "LossScale", "OptimizerError",
+    "Plan", "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount",
+    "accuracy", "annotate", "cross_entropy", "init", "local_rows", "make_schedule", "parallelize", "plan_model",
+    "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

@@ -7,11 +7,46 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from whale.plan.plan import PRECISIONS, PrecisionName
 from whale.plan.schedule import SCHEDULES, ScheduleName
 
 
 class ConfigError(ValueError):
     """A `Config` field holds a value Whale cannot use; the message names the field, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling for ``Config(precision="fp16")`` (Micikevicius et al. 2018, "Mixed Precision
+    Training", §3.2; the same rule and defaults as ``torch.amp.GradScaler``).
+
+    The last pipeline stage multiplies the loss by ``scale`` before backward; gradients are unscaled before
+    clipping and the optimizer step. A step whose gradients hold an inf/NaN anywhere (any stage, lane or shard)
+    is skipped on every rank and the scale is multiplied by ``backoff_factor``; after ``growth_interval``
+    consecutive finite steps it is multiplied by ``growth_factor``.
+
+    Attributes:
+        init_scale: the first scale (> 0).
+        growth_factor: factor after ``growth_interval`` finite steps (> 1).
+        backoff_factor: factor after an overflow (in (0, 1)).
+        growth_interval: finite steps between growths (int >= 1).
+    """
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ConfigError(f"LossScale.init_scale={self.init_scale} must be > 0")
+        if not self.growth_factor > 1:
+            raise ConfigError(f"LossScale.growth_factor={self.growth_factor} must be > 1")
+        if not 0 < self.backoff_factor < 1:
+            raise ConfigError(f"LossScale.backoff_factor={self.backoff_factor} must be in (0, 1)")
+        if not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool) \
+                or self.growth_interval < 1:
+            raise ConfigError(f"LossScale.growth_interval={self.growth_interval!r} must be an int >= 1")
 
 
 @dataclass(frozen=True)
@@ -51,6 +86,10 @@ class Config:
             then the slices are broadcast back); 2 also shards gradients (reduce-scatter instead of
             all-reduce). On a cluster spec the slices follow each device's free memory. Needs an elementwise
             optimizer (SGD, Adam, AdamW, ...). ZeRO-3 (parameters sharded) is not implemented.
+        precision: ``"fp32"`` (the default), ``"bf16"`` (``torch.autocast`` in bfloat16 around each stage's
+            forward; parameters, gradients, optimizer and loss stay fp32) or ``"fp16"`` (autocast in float16 with
+            dynamic loss scaling, identical on every rank: :mod:`whale.runtime.precision`). Recorded in the plan.
+        loss_scale: the dynamic loss scaling of ``"fp16"`` (:class:`LossScale`); ignored otherwise.
     """
 
     num_micro_batch: int = 1
@@ -65,6 +104,8 @@ class Config:
     backend: str | None = None
     capture: str = "auto"
     zero: int = 0
+    precision: PrecisionName = "fp32"
+    loss_scale: LossScale = LossScale()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -83,6 +124,10 @@ class Config:
                     "or torch.distributed.fsdp.fully_shard directly for even shards") if self.zero == 3 else ""
             raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; choose 0 (off), 1 (optimizer state "
                               f"sharded) or 2 (optimizer state and gradients sharded).{hint}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is unknown; choose one of {PRECISIONS}")
+        if not isinstance(self.loss_scale, LossScale):
+            raise ConfigError(f"loss_scale={self.loss_scale!r} must be a whale.LossScale")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (MiB per all-reduce bucket)")
         if self.load_shares is not None:

@@ -44,7 +44,7 @@ def _make_plan(ns: argparse.Namespace):
     made = load_factory(ns.model)(**{k: _value(v) for k, v in pairs})
     model, sample = made if isinstance(made, tuple) else (made, None)
     config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
-                       hardware_aware=not ns.no_hardware_aware)
+                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision)
     return wh.plan_model(model, ns.world, config, sample_batch=sample)
 
 
@@ -58,6 +58,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--schedule", default="1F1B", choices=SCHEDULES)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="autocast dtype of the forward (fp16: with dynamic loss scaling)")
     p.add_argument("--no-hardware-aware", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--out", metavar="PLAN.json",

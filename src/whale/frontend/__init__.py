@@ -4,6 +4,6 @@ Imports nothing from :mod:`whale.parallel` or :mod:`whale.runtime`. :func:`plan_
 :mod:`whale.frontend.graph` holds the ``torch.fx`` mechanics the runtime reuses to rebuild a stage from a plan.
 """
 
-from whale.frontend.planning import plan_model, resolve_cluster
+from whale.frontend.planning import plan_model, plan_with_stages, resolve_cluster
 
-__all__ = ["plan_model", "resolve_cluster"]
+__all__ = ["plan_model", "plan_with_stages", "resolve_cluster"]

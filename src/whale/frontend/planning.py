@@ -55,7 +55,15 @@ def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
 
 def plan_model(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None,
                cluster: ClusterSpec | None = None) -> Plan:
-    """The plan Whale runs ``model`` with on ``world_size`` ranks; no processes needed.
+    """The plan Whale runs ``model`` with on ``world_size`` ranks; no processes needed (see
+    :func:`plan_with_stages` for the arguments and errors)."""
+    return plan_with_stages(model, world_size, config, sample_batch, cluster)[0]
+
+
+def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None,
+                     cluster: ClusterSpec | None = None) -> tuple[Plan, tuple[nn.Module, ...]]:
+    """The plan Whale runs ``model`` with on ``world_size`` ranks, and the pipeline's stage modules the cut made
+    (empty without a pipeline): ``wh.parallelize`` runs them rather than capturing the model again.
 
     Args:
         model: the local model with its ``replicate``/``split`` annotations (or none).
@@ -92,37 +100,41 @@ def plan_model(model: nn.Module, world_size: int, config: Config | None = None, 
         layout = make_plan(kinds, world_size, config)
         speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
         stage_of, units = speed_cut.stage_of, speed_cut.units
-    plan = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units, sample_batch)
+    plan, stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,
+                                 sample_batch)
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
     if sample_batch is not None:
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
     if not aware:
-        return plan
+        return plan, stages
     memory = None
     if prof is not None:
         params = hwplan.stage_param_names(plan.stage_cuts, model)
         memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch))
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
     plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
-    return with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)],
+    plan = with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)],
                              hwplan.lane_activation_bytes(plan, memory) if memory is not None else None)
+    return plan, stages
 
 
 def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,
-                  sample_batch=None) -> Plan:
-    """Cut the model into stages (pipelines) or TaskGraph name sets (one stage) and call the planner."""
+                  sample_batch=None) -> tuple[Plan, tuple[nn.Module, ...]]:
+    """Cut the model into stages (pipelines) or TaskGraph name sets (one stage) and call the planner; returns
+    the plan and the stage modules (empty for one stage)."""
     if not pipelined:
         name_sets = colocated_names(model, tg_scopes, scopes)
-        return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config)
+        return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config), ()
     leaves = split_leaves(model, scopes)
     spec = _capture_spec(config, sample_batch)
     cut = cut_model(model, stage_of, len(tg_scopes), leaves, units, spec)
     name_sets = [set(all_tensors(m)) for m in cut.modules]
     plan = make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
                      stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)
-    return dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
+    plan = dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
+    return plan, cut.modules
 
 
 def _capture_spec(config, sample_batch) -> tuple:

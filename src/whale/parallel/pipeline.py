@@ -8,6 +8,7 @@ awaiting backward, posted receives, pending sends) lives in a private per-step s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ class StageExecutor:
             (arms gradient sync).
 
     Attributes:
+        precision: ``None`` (fp32), or a :class:`whale.runtime.precision.MixedPrecision`: the forward runs under
+            its autocast, the loss on its fp32 cast of the output, backward from its scaled loss.
         emulator: emulation only (``None`` on real hardware): stretches each compute segment to the declared
             device's speed (:class:`whale.runtime.emulation.EmulatedDevice`).
     """
@@ -140,6 +143,8 @@ class StageExecutor:
         self.module, self.links, self.loss_fn, self.device = module, links, loss_fn, device
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
+        self._first_meta: dict[str, dict] = {"sent": {}, "received": {}}  # per peer: previous step's first description
+        self.precision = None
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
@@ -162,9 +167,15 @@ class StageExecutor:
         return result
 
     def _receive(self, mb: int, work: MicroBatches, state: _InFlight) -> list[tuple]:
-        """This micro-batch's pieces from every sending lane (in row order); posts the next receives."""
-        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device) for p in work.recv_from]
+        """This micro-batch's pieces from every sending lane (in row order); posts the next receives. A step's
+        first receive from a lane is posted from that lane's previous first description (``guess``), so no
+        header is needed while it stays the same."""
+        guesses = self._first_meta["received"]
+        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device, guess=guesses.get(p.rank))
+                                        for p in work.recv_from]
         got = [p.wait() for p in pending]
+        if mb == 0:
+            guesses.update({p.rank: meta for p, (_, meta) in zip(work.recv_from, got, strict=True)})
         more = mb + 1 < len(work.scales)
         state.next_inputs = [p2p.PendingRecv(p.rank, self.device, meta)
                              for p, (_, meta) in zip(work.recv_from, got, strict=True)] if more else None
@@ -177,21 +188,25 @@ class StageExecutor:
         with torch.set_grad_enabled(grad):
             given = work.inputs[mb] if links.is_first else join(pieces)  # pieces joined in the stage's graph
             inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
-            out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
+            with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
+                out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
             if links.is_last:
                 out = self._loss(mb, out, work, result)
         self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
         outgoing = []
         for peer in () if links.is_last else work.send_to:
             values = slice_for(_as_tuple(out), peer, work.rows, work.bridged)
-            works, state.sent_meta[peer.rank] = p2p.send_values(values, peer.rank, self.device,
-                                                                 state.sent_meta.get(peer.rank))
+            works, meta = p2p.send_values(values, peer.rank, self.device, state.sent_meta.get(peer.rank),
+                                          self._first_meta["sent"].get(peer.rank))
+            state.sent_meta[peer.rank] = self._first_meta["sent"][peer.rank] = meta
             state.sends += works
             outgoing.append((values, p2p.post_grads(values, peer.rank) if grad else []))
         if grad:
             state.live[mb] = (inputs, pieces, out, outgoing)
 
     def _loss(self, mb: int, out, work: MicroBatches, result: StepResult) -> torch.Tensor:
+        if self.precision is not None:  # the loss in fp32, outside autocast
+            out = self.precision.fp32(out)
         loss = self.loss_fn(out, work.targets[mb])
         loss = (loss.float() if loss.dtype in (torch.bfloat16, torch.float16) else loss) * work.scales[mb]  # fp32
         if self.count_loss:
@@ -208,7 +223,7 @@ class StageExecutor:
     def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
         inputs, pieces, out, outgoing = state.live.pop(mb)
         if self.links.is_last:
-            tensors, grads = [out], None
+            tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
             tensors, grads = [], []
             for values, posted in outgoing:

@@ -67,10 +67,12 @@ def _check_tensors(model: nn.Module, modules: list[fx.GraphModule], plan: Plan) 
                          f"drift apart; {_REPLAN}")
 
 
-def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
+def build_stage(model: nn.Module, plan: Plan, stage: int, prebuilt: tuple = ()) -> nn.Module:
     """The module running ``stage`` of ``plan``: ``model`` itself without a pipeline, else a ``GraphModule``
     that shares ``model``'s parameters and keeps their original names. Checks the whole plan against the model
     first (see the module docstring); no communication.
+
+    ``prebuilt``: the stage modules the front end made for ``plan`` in this process (nothing is re-captured).
 
     Raises:
         StageError: a pipeline plan without a stage cut, or a model whose size, traced graph, parameters,
@@ -82,6 +84,9 @@ def build_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
     if not plan.stage_cuts:
         raise StageError(f"the plan has {plan.num_stages} pipeline stages but no stage cut; make it with "
                          "whale.plan_model (or `whale plan --out`), which records the cut")
+    if prebuilt:  # cut for this very plan by the front end in this process: checked by construction
+        _check_size(model, plan)
+        return prebuilt[stage]
     cap = capture(model, plan.leaf_modules, plan.capture_inputs if plan.capture == "export" else ())
     stages = _check_nodes(model, cap.train, plan)
     modules = stage_modules(model, cap, stages, plan.num_stages)

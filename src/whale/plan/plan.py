@@ -40,6 +40,8 @@ Kind = Literal["replicate", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
 CaptureName = Literal["fx", "export"]
 CAPTURES: tuple[str, ...] = get_args(CaptureName)
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
 class _Checked:
@@ -182,6 +184,8 @@ class Plan(_Checked, PlanLayout):
             1 optimizer state sharded, 2 also gradients (reduce-scatter); see :mod:`whale.parallel.zero`.
         zero_weights: with ``zero >= 1``, per stage the relative shard size of each of its lanes (numbers >= 0,
             by lane index; empty = equal shards), sized by device memory (:mod:`whale.plan.zero`).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
+            dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
     """
 
     world_size: int
@@ -204,6 +208,7 @@ class Plan(_Checked, PlanLayout):
     capture_inputs: tuple[CaptureInput, ...] = ()
     zero: int = 0
     zero_weights: tuple[tuple[float, ...], ...] = ()
+    precision: PrecisionName = "fp32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -388,5 +393,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
            "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
-           "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0")},
+           "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
+           "precision": _choice(PRECISIONS)},
 }

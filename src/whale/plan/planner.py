@@ -140,6 +140,7 @@ def make_plan(
         leaf_modules=tuple(leaf_modules),
         colocated=colocated,
         zero=config.zero,
+        precision=config.precision,
     )
 
 

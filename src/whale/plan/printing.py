@@ -42,7 +42,9 @@ def _header(plan: Plan) -> str:
         steps = f"{mb} micro-batch(es), schedule {plan.schedule}"
     else:
         steps = f"{mb} micro-batches (gradient accumulation)" if mb > 1 else "1 micro-batch"
-    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}"
+    dtype = "" if plan.precision == "fp32" else \
+        f"; {plan.precision} autocast" + " + dynamic loss scaling" * (plan.precision == "fp16")
+    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}{dtype}"
 
 
 def _wrapped(prefix: str, names, width: int = 110) -> list[str]:

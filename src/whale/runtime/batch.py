@@ -94,28 +94,43 @@ def fingerprint(batch) -> list[float]:
     return out
 
 
-def agree_on_batch(batch, world_size: int, device: torch.device, error: Exception | None = None) -> None:
-    """Collective: raise on EVERY rank when some rank's batch was refused (``error``, raised locally before any
-    communication) or the ranks were given different batches. One all-reduce of 10 float64 values (the max of a
-    failure flag and of the fingerprint and its negation).
+def agree_on(values: list[float], world_size: int, device: torch.device,
+             error: Exception | None = None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Collective: one all-reduce (max) of a failure flag, ``values`` and their negation (float64).
+
+    Returns:
+        ``(another rank failed, max of values over ranks, min of values over ranks)``.
 
     Raises:
-        the rank's own ``error``; BatchError on the other ranks, naming the problem and the fix.
+        the rank's own ``error`` (after the all-reduce, so that no rank is left waiting in it).
     """
     if world_size == 1:
         if error is not None:
             raise error
-        return
-    mine = torch.tensor(fingerprint(batch), dtype=torch.float64, device=device)
+        mine = torch.tensor(values, dtype=torch.float64)
+        return False, mine, mine
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
     flags = torch.cat([torch.tensor([float(error is not None)], dtype=torch.float64, device=device), mine, -mine])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if error is not None:
         raise error
-    if flags[0] > 0:
+    n = mine.numel()
+    return bool(flags[0] > 0), flags[1: n + 1], -flags[n + 1:]
+
+
+def agree_on_batch(batch, world_size: int, device: torch.device, error: Exception | None = None) -> None:
+    """Collective: raise on EVERY rank when some rank's batch was refused (``error``, raised locally before any
+    communication) or the ranks were given different batches. One all-reduce of 10 float64 values (the max of a
+    failure flag and of the fingerprint and its negation, :func:`agree_on`).
+
+    Raises:
+        the rank's own ``error``; BatchError on the other ranks, naming the problem and the fix.
+    """
+    other_failed, high, low = agree_on(fingerprint(batch), world_size, device, error)
+    if other_failed:
         raise BatchError("another rank's batch was refused (see its error): every rank must pass the same GLOBAL "
                          "batch to engine.step / eval_step (Whale takes each rank's rows from the plan)")
-    n = mine.numel()
-    if not torch.equal(flags[1: n + 1], -flags[n + 1:]):
+    if not torch.equal(high, low):
         raise BatchError(
             "the ranks were given different batches: every rank must pass the same GLOBAL batch to engine.step "
             "and eval_step, in the same order (Whale takes each rank's rows from the plan). Build the batches "

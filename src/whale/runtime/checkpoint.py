@@ -38,6 +38,7 @@ class Restored:
     extra: dict
     lane_weights: tuple[float, ...]
     stage_lane_weights: tuple[tuple[float, ...], ...] = ()
+    loss_scale: dict | None = None  # fp16: the dynamic loss scaler's state (runtime/precision.py)
 
 
 def _rank_file(path: str, rank: int) -> str:
@@ -54,11 +55,14 @@ def _holdings(plan: Plan) -> dict:
 
 
 def save(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int, step: int,
-         extra: dict) -> None:
-    """Write this rank's shard (collective: every rank calls it; rank 0 also writes plan.json and model.pt)."""
+         extra: dict, loss_scale: dict | None = None) -> None:
+    """Write this rank's shard (collective: every rank calls it; rank 0 also writes plan.json and model.pt);
+    ``loss_scale``: fp16's scaler state, if any."""
     os.makedirs(path, exist_ok=True)
     state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
              "rng": {"torch": torch.get_rng_state()}, "extra": extra, "plan": plan.to_json()}
+    if loss_scale is not None:
+        state["loss_scale"] = loss_scale
     if torch.cuda.is_available():
         state["rng"]["cuda"] = torch.cuda.get_rng_state()
     tmp = _rank_file(path, rank) + ".tmp"
@@ -98,7 +102,8 @@ def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: P
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights, saved.stage_lane_weights)
+    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights, saved.stage_lane_weights,
+                    state.get("loss_scale"))
 
 
 def _full_stage_state(module: nn.Module) -> dict:

@@ -33,8 +33,10 @@ from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
+from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
 from whale.runtime.optim import bind_optimizer
+from whale.runtime.precision import MixedPrecision
 from whale.runtime.rng import RankStreams
 from whale.runtime.stats import StepHistory, StepTiming
 
@@ -51,6 +53,8 @@ class Engine:
         optimizer: a callable ``params -> Optimizer``, or a fresh optimizer over ``model.parameters()``
             (kept and re-pointed at this rank's parameters: its groups and LR schedulers drive training).
         ctx: this rank's context (:func:`whale.init`).
+        stages: the pipeline's stage modules as the front end cut them for ``plan`` in this process (empty:
+            rebuilt from the plan's cut).
 
     Attributes:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
@@ -67,14 +71,16 @@ class Engine:
         SplitError: a split module has no sharding rule.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer, ctx: Context) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer, ctx: Context,
+                 stages: tuple = ()) -> None:
         if plan.world_size != ctx.world_size:
             raise ValueError(f"the plan is for world size {plan.world_size} but this job has {ctx.world_size} "
                              "ranks; make a plan for this world size")
         self.plan, self.ctx, self.loss_fn = plan, ctx, loss_fn
         self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
-        self._batch_checks = {"step": 3, "eval": 1}  # first calls: every rank was given the same global batch
+        self._batch_checks = {"step": 3, "eval": 1, "local": 3, "local_eval": 1}  # first calls (see _checked_...)
         self._rows = 0  # this lane's rows in the latest step
+        self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
@@ -82,7 +88,7 @@ class Engine:
         self.history = StepHistory()
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
-        stage_module = build_stage(model, plan, self.stage)  # checks the whole plan on every rank, no collective
+        stage_module = build_stage(model, plan, self.stage, stages)  # checks the plan on every rank, no collective
         if plan.max_lanes > 1:
             check_batchnorms(model)  # before any process group: a refused BatchNorm stops every rank alike
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
@@ -102,6 +108,8 @@ class Engine:
         links = StageLinks(self.stage, plan.num_stages)
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
+        self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
+        self.executor.precision = self.precision if self.precision.dtype is not None else None
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
@@ -131,24 +139,27 @@ class Engine:
         self.grad_sync.scheduler = device  # bucket all-reduces start at their emulated times
 
     # --- stepping ----------------------------------------------------------------------------------------
-    def _micro_batches(self, batch, metrics: dict | None = None) -> MicroBatches:
-        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows."""
-        inputs, target = batch
-        total = batch_size(batch)
+    def _micro_batches(self, batch, metrics: dict | None = None, global_batch: int | None = None) -> MicroBatches:
+        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows; with
+        ``global_batch``, ``batch`` holds only this lane's rows (:meth:`step_local`; a token-weighted loss's
+        scales are then set by :func:`whale.runtime.local.local_work`, after the global count)."""
+        inputs, target = batch if batch is not None else (None, None)
+        total = batch_size(batch) if global_batch is None else global_batch
         rows = self.plan.micro_batch_rows(total, self.stage)  # this stage's lanes (the stages differ in width)
         recv_from, send_to = self.plan.boundary_peers(total, self.stage, self.lane)  # the batch bridge's rows
         self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
         self.split.start_step(self.plan, rows, self.lane)
         loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
         dev = self.ctx.device
-
-        def take(x, a, b):
-            """Rows a:b of x, on this rank's device."""
-            return slice_rows(x, a, b, total, dev)
-
         last = self.stage == self.plan.num_stages - 1
+        if global_batch is None:
+            def take(x, a, b):
+                """Rows a:b of x, on this rank's device."""
+                return slice_rows(x, a, b, total, dev)
+        else:  # rows a:b of the global batch are at a local offset (checks the local batch's rows)
+            take = local_take(batch, rows[self.lane], self.stage == 0, last, dev, f"lane {self.lane}")
         row_scales = [(b - a) / total for a, b in loss_rows]
-        if isinstance(self.loss_fn, SumOverCount):  # token-weighted: sums over terms / terms of the global batch
+        if isinstance(self.loss_fn, SumOverCount) and global_batch is None:  # token-weighted: / global terms
             count = self.loss_fn.count(target)
             scales = [1.0 / count if count else 0.0] * len(loss_rows)
         else:  # a per-sample mean: weighted by rows
@@ -177,10 +188,17 @@ class Engine:
     def _fuse_loss(self) -> bool:
         # one stage, no split, no shared groups: the loss rides on the last gradient bucket (the DP group)
         return (self.plan.num_stages == 1 and not self.split.regions and not self.plan.shared_params
-                and self.grad_sync.can_carry_extra)  # never in a bf16/fp16 bucket: the loss stays fp32
+                and self.grad_sync.can_carry_extra  # never in a bf16/fp16 bucket: the loss stays fp32
+                and self.precision.scaler is None)  # fp16: the loss's all-reduce also carries the overflow flag
 
     def _arm(self, loss_sum: float) -> None:
+        """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
+        stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
+        stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
+        backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
+        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None:
+            self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
     def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
@@ -210,7 +228,8 @@ class Engine:
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
-            bytes all-reduced by this rank}`` and ``"grad_norm"`` when clipping.
+            bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, and under fp16 ``"loss_scale"``
+            (the scale for the next step) and ``"skipped"`` (an overflow anywhere skipped this update).
 
         Raises:
             PlanError: the batch does not divide into micro-batches or is smaller than the lanes.
@@ -218,32 +237,95 @@ class Engine:
                 given different batches; every rank raises, none is left waiting.
         """
         start = time.perf_counter()
-        before = self.grad_sync.bytes_reduced
         work = self._checked_micro_batches(batch, "step")
+        return self._train(work, start, batch_size(batch))
+
+    def step_local(self, batch, global_batch: int) -> dict:
+        """One optimizer step, each rank given only ITS OWN rows of the global batch: the same step (same
+        losses, gradients and update) as :meth:`step` on the whole global batch.
+
+        Args:
+            batch: ``(inputs, target)`` with this rank's lane's rows in the order of :func:`whale.local_rows`
+                (what :class:`whale.PlanSampler` yields). Stage 0 reads only ``inputs``, the last stage only
+                ``target`` (the other may be ``None``); a middle pipeline stage passes ``None``.
+            global_batch: rows of the global batch (all lanes together), equal on every rank; rows and a
+                token-weighted loss (:class:`whale.loss.SumOverCount`) are normalised over it (the count of
+                terms is summed over the last stage's lanes: one small all-reduce there per step).
+
+        Returns:
+            as :meth:`step` (``"samples"`` is ``global_batch``).
+
+        Raises:
+            PlanError: ``global_batch`` does not divide into micro-batches or leaves a lane empty.
+            BatchError: a local batch that is not this rank's share (wrong rows; a missing input or target),
+                ranks given different ``global_batch`` (checked on the first 3 steps and after a plan change:
+                every rank raises, none is left waiting), or a model ending in class-sharded logits (its loss
+                needs the split group's targets: use :meth:`step`).
+        """
+        start = time.perf_counter()
+        return self._train(self._local_work(batch, global_batch, "local"), start, global_batch)
+
+    def _local_work(self, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:
+        """This rank's micro-batches from its local rows (:func:`whale.runtime.local.local_work`)."""
+        return local_work(self, batch, global_batch, kind, metrics)
+
+    def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
+        """Run the schedule on ``work``, reduce gradients and update: the body of :meth:`step`."""
+        before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
-        fused = self._fuse_loss()
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
-        loss_sum = None if fused else self._start_sum([result.loss_sum])  # overlaps clipping and the update
-        norm = self._clip() if self.ctx.config.max_grad_norm else None
-        self.optimizer.step()
-        if self.zero is not None:
-            self.zero.gather()  # every lane's updated slices to every lane
+        loss, norm, skipped = self._apply_gradients(result.loss_sum)
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
-        self._zero_grad()
-        (loss,) = [float(self.grad_sync.extra[0])] if fused else loss_sum()
         self.steps_done += 1
         self.history.record(StepTiming(result.busy, schedule_time, self._rows))
         if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
             self.rebalance()
         self.last_timeline = result.timeline
         out = {"loss": loss, "step_time": time.perf_counter() - start, "schedule_time": schedule_time,
-               "busy_time": result.busy, "samples": batch_size(batch), "stage": self.stage, "lane": self.lane,
+               "busy_time": result.busy, "samples": samples, "stage": self.stage, "lane": self.lane,
                "sync_bytes": self.grad_sync.bytes_reduced - before}
         if norm is not None:
             out["grad_norm"] = norm
+        if self.precision.scaler is not None:
+            out.update(loss_scale=float(self.precision.scaler.scale), skipped=skipped)
         return out
+
+    def _apply_gradients(self, loss_sum: float) -> tuple[float, float | None, bool]:
+        """Unscale (fp16), clip and step with this rank's reduced gradients, zero them, and sum the loss over
+        the world. Under fp16 the overflow flags of every rank ride on the loss's all-reduce, so every rank
+        skips the same steps and keeps the same scale (:mod:`whale.runtime.precision`).
+
+        Returns:
+            ``(global loss, gradient norm before clipping or None, whether the step was skipped)``.
+        """
+        fused, scaler = self._fuse_loss(), self.precision.scaler
+        flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self._grad_holders()
+                                                            if p.grad is not None])]
+        # overlaps clipping and the update (not fp16); stage 0 of a pipeline may have started it in _arm
+        total = None if fused else self._loss_started or self._start_sum([loss_sum] + flags)
+        self._loss_started = None
+        skipped = False
+        if scaler is not None:
+            loss, overflows = total()
+            skipped = overflows > 0
+            scaler.update(skipped)
+        norm = self._clip() if self.ctx.config.max_grad_norm and not skipped else None
+        if not skipped:
+            self.optimizer.step()
+            if self.zero is not None:
+                self.zero.gather()  # every lane's updated slices to every lane
+        self._zero_grad()
+        if scaler is None:
+            (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
+        return loss, norm, skipped
+
+    def _grad_holders(self) -> list:
+        """The tensors whose ``.grad`` unscaling and clipping scale: this rank's parameters, and under ZeRO-2
+        its slices (their gradients are no views of the parameters' there: :mod:`whale.parallel.zero`)."""
+        params = list(self.module.parameters())
+        return self.zero.clip_targets(params) if self.zero is not None else params
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""
@@ -259,8 +341,7 @@ class Engine:
         norm = total ** 0.5
         coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
-            params = self.module.parameters()
-            for p in self.zero.clip_targets(params) if self.zero is not None else params:
+            for p in self._grad_holders():
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
@@ -277,13 +358,23 @@ class Engine:
         Returns:
             ``{"loss": mean over the global batch, **metrics}``.
         """
+        return self._evaluate(lambda: self._checked_micro_batches(batch, "eval", metrics), metrics)
+
+    @torch.no_grad()
+    def eval_step_local(self, batch, global_batch: int, metrics: dict[str, Callable] | None = None) -> dict:
+        """:meth:`eval_step` with each rank given only its own rows, as in :meth:`step_local` (same arguments,
+        result and errors)."""
+        return self._evaluate(lambda: self._local_work(batch, global_batch, "local_eval", metrics), metrics)
+
+    def _evaluate(self, make_work: Callable[[], MicroBatches], metrics: dict | None) -> dict:
+        """Run the forwards on ``make_work()`` with every module in eval mode; sum loss and metrics globally."""
         roots = (self.module, self._model)
         modes = [(m, m.training) for r in roots for m in r.modules()]  # the user's own modes come back afterwards
         for r in roots:
             r.eval()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
-            result = self.executor.run(forwards, self._checked_micro_batches(batch, "eval", metrics), train=False)
+            result = self.executor.run(forwards, make_work(), train=False)
         finally:
             for m, training in modes:
                 m.training = training
@@ -301,7 +392,13 @@ class Engine:
             The new plan (also ``self.plan``).
         """
         self.plan = self.history.rebalance(self.plan, self.lane, self.world_size, self.stage)
+        self._recheck_local()
         return self.plan
+
+    def _recheck_local(self) -> None:
+        """New shares: the next local batches are checked collectively again (a loader still on the old
+        shares then stops every rank with a BatchError)."""
+        self._batch_checks.update(local=3, local_eval=1)
 
     def stage_stats(self) -> list[dict]:
         """Per stage, mean busy seconds and the schedule's makespan over the last 20 steps, with
@@ -310,8 +407,12 @@ class Engine:
 
     # --- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+        """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``, and
+        ``"loss_scale"`` (the scaler's state) under fp16."""
+        out = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+        if self.precision.scaler is not None:
+            out["loss_scale"] = self.precision.scaler.state_dict()
+        return out
 
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names, CPU tensors) on rank 0; ``{}`` elsewhere.
@@ -320,7 +421,9 @@ class Engine:
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
         """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
-        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {})
+        scaler = self.precision.scaler
+        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
+                        scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
@@ -331,6 +434,9 @@ class Engine:
         """
         restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
         self.steps_done = restored.step
+        if self.precision.scaler is not None and restored.loss_scale is not None:
+            self.precision.scaler.load_state_dict(restored.loss_scale)
         self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights,
                                         stage_lane_weights=restored.stage_lane_weights)
+        self._recheck_local()
         return restored.extra

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from whale.frontend import plan_model
+from whale.frontend import plan_with_stages
 from whale.plan.plan import Plan, PlanError
 from whale.runtime.context import Context, current_context
 from whale.runtime.engine import Engine
@@ -54,11 +54,12 @@ def parallelize(
         SplitError: a module under ``split`` has no sharding rule.
     """
     ctx = ctx or current_context()
-    if plan is None:
-        plan = plan_model(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
+    stages: tuple = ()
+    if plan is None:  # the stage modules the front end cut are run as they are (no second capture)
+        plan, stages = plan_with_stages(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
     else:
         check_plan_fits(plan, ctx)
-    return Engine(model, plan, loss_fn, optimizer, ctx)
+    return Engine(model, plan, loss_fn, optimizer, ctx, stages=stages)
 
 
 def check_plan_fits(plan: Plan, ctx: Context) -> None:
@@ -69,10 +70,12 @@ def check_plan_fits(plan: Plan, ctx: Context) -> None:
         PlanError: naming both values and the fix.
     """
     cfg = ctx.config
-    fix = "make the plan with the same settings (whale plan --micro-batches/--schedule/--cluster) or change them"
+    fix = ("make the plan with the same settings (whale plan --micro-batches/--schedule/--precision/--cluster) "
+           "or change them")
     for what, planned, here in (("world size", plan.world_size, ctx.world_size),
                                 ("num_micro_batch", plan.num_micro_batch, cfg.num_micro_batch),
-                                ("schedule", plan.schedule, cfg.schedule)):
+                                ("schedule", plan.schedule, cfg.schedule),
+                                ("precision", plan.precision, cfg.precision)):
         if planned != here:
             raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {fix}")
     devices = tuple(d.name for d in ctx.cluster.devices()) if ctx.cluster is not None else ()
