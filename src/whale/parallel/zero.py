@@ -278,7 +278,7 @@ class ShardedGradSync(GradSync):
             self.zero.zero_grad()
 
 
-def build_grad_sync(plan: Plan, stage: int, param_groups: list, lanes_group, tied_groups: list, optimizer,
+def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
                     bucket_cap_mb: float) -> tuple[GradSync, ZeroShards | None]:
     """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
     re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the

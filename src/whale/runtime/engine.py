@@ -98,7 +98,7 @@ class Engine:
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
         self.optimizer = bind_optimizer(optimizer, self.module, full_params, self.split.origins)
-        self.grad_sync, self.zero = build_grad_sync(plan, self.stage, groups, self.mesh.lanes, self.mesh.tied,
+        self.grad_sync, self.zero = build_grad_sync(plan, groups, self.mesh.lanes, self.mesh.tied,
                                                     self.optimizer, ctx.config.bucket_cap_mb)  # ZeRO: parallel/zero.py
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
