@@ -118,7 +118,7 @@ def _poison(engine, spec, step):
 def _fp16(rank, world, spec):
     scale = wh.LossScale(init_scale=2.0 ** 10, growth_interval=2)
     ctx = wh.init(wh.Config(num_micro_batch=spec["mb"], precision="fp16", loss_scale=scale,
-                            max_grad_norm=spec.get("clip")))
+                            max_grad_norm=spec.get("clip"), zero=spec.get("zero", 0)))
     model = TinyLM(stage_layers=spec["layers"], tied=spec.get("tied", True))
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(_groups(m), lr=LR) for m in (model, ref))
@@ -159,6 +159,8 @@ def _fp16(rank, world, spec):
     (2, {"layers": (1, 1), "mb": 2, "poison": (0, 0), "param": "blocks.0.fc1.weight", "tied": False}),  # PP
     (4, {"layers": (1, 1), "mb": 2, "poison": (0, 1), "param": "blocks.0.fc1.weight", "tied": False,
          "clip": 0.5}),  # DP x PP: the overflow is in stage 0 lane 1 only; stage 1 never sees an inf gradient
+    (4, {"layers": (1, 1), "mb": 2, "poison": (0, 1), "param": "blocks.0.fc1.weight", "clip": 0.5,
+         "zero": 2}),  # ZeRO-2 (tied embedding): the inf is reduce-scattered onto its owner's slice
 ])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world, spec):
     records = run_ranks(_fp16, world, spec, timeout=120)

@@ -44,6 +44,7 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
+from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
 
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "list of module types, FQN globs and TaskGraph indices, e.g. Block or blocks.0,blocks.1")
     a("--track-memory", action="store_true",
       help="measure memory per rank on a plain CPU run too (always on under an emulated cluster)")
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+      help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
+           "gradients (slices sized by each device's free memory on a cluster spec); 3 is not implemented")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -287,7 +291,7 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster, precision=args.precision,
+                            cluster=args.cluster, precision=args.precision, zero=args.zero,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
                             track_memory=True if args.track_memory else None))
     paths = prepare_data(args, ctx.rank)
@@ -319,6 +323,7 @@ def run(argv: list[str] | None = None) -> None:
     state["steps_done"] = end
     save(engine, args, end, batches, state)
     full = engine.full_state_dict()
+    state["optimizer_state_bytes"] = optimizer_state_bytes(engine)
     bubble = bubble_report(engine, args)
     state["memory"], memory_table = wh.memory_table(engine)  # collective: every rank's measured peaks
     scalars.close(end, bubble)
@@ -328,6 +333,21 @@ def run(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def optimizer_state_bytes(engine: wh.Engine) -> list[int]:
+    """Bytes of every rank's optimizer state tensors (AdamW's moments), by rank (collective); rank 0 also prints
+    the gradient bytes each rank holds between steps."""
+    mine = [state_bytes(engine.optimizer), held_gradient_bytes(engine.grad_sync)]
+    out: list = [mine]
+    if dist.is_initialized():
+        out = [None] * engine.world_size
+        dist.all_gather_object(out, mine)
+    if engine.rank == 0:
+        for i, what in enumerate(("optimizer state", "gradients held between steps")):
+            print(f"{what} per rank (ZeRO-{engine.plan.zero}): "
+                  + ", ".join(f"rank {r}: {b[i] / 2**20:.2f} MiB" for r, b in enumerate(out)), flush=True)
+    return [b[0] for b in out]
 
 
 def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
@@ -348,7 +368,8 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         tokens_per_s=tok_s, train_time_s=state["train_time"], wall_time_s=wall_s, steps=state["steps_done"],
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
-        bubble=bubble, config=vars(args), sample=text, memory=state["memory"],
+        bubble=bubble, config=vars(args), sample=text, memory=state["memory"], zero=engine.plan.zero,
+        optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

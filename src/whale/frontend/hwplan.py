@@ -152,3 +152,16 @@ def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float
         out[stage] += u.train_flops
     out[-1] += prof.rest.train_flops
     return tuple(out)
+
+
+def lane_activation_bytes(plan: Plan, memory: MemoryModel) -> list[list[float]]:
+    """Per stage, per lane: activation bytes the lane keeps in flight (its rows of one micro-batch x the
+    micro-batches its stage holds at once under the schedule), from the profiled per-sample bytes."""
+    out = []
+    m = plan.num_micro_batch
+    for s in range(plan.num_stages):
+        weights = plan.weights_of(s)
+        in_flight = in_flight_micro_batches(s, plan.num_stages, m, plan.schedule)
+        out.append([memory.per_sample_bytes[s] * memory.global_batch / m * w / sum(weights) * in_flight
+                    for w in weights])
+    return out

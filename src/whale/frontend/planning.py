@@ -16,7 +16,7 @@ import os
 import torch
 from torch import nn
 
-from whale.cluster import ClusterSpec, detect_cluster
+from whale.cluster import ClusterSpec, detect_cluster, memory_capacity
 from whale.config import Config
 from whale.frontend import hwplan
 from whale.frontend.export import capture_inputs
@@ -28,6 +28,7 @@ from whale.memory.checkpointing import resolve_targets
 from whale.plan.hardware import apply_hardware, is_heterogeneous, predicted_memory
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
+from whale.plan.zero import with_zero_weights
 from whale.splitrules import check_split_plan
 
 
@@ -118,6 +119,8 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
     plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
     plan = dataclasses.replace(plan, predicted_memory=predicted_memory(plan, memory)) if memory else plan
+    plan = with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)],
+                             hwplan.lane_activation_bytes(plan, memory) if memory is not None else None)
     return plan, stages
 
 

@@ -201,7 +201,12 @@ class GradSync:
             b.buf[-1] = float(self._extra.reshape(-1)[0]) if self._extra is not None else 0.0
         self.bytes_reduced += b.grad_numel * b.buf.element_size()
         self.flag_bytes += len(b.params) * b.buf.element_size()
-        b.work = dist.all_reduce(b.buf, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+        b.work = self._reduce(b)
+
+    def _reduce(self, b: _Bucket):
+        """Start summing bucket ``b`` over its group; returns the work to ``wait()`` on. (ZeRO-2 sums each
+        lane's slice onto that lane instead: :class:`whale.parallel.zero.ShardedGradSync`.)"""
+        return dist.all_reduce(b.buf, op=dist.ReduceOp.SUM, group=b.group, async_op=True)
 
     def finish(self) -> None:
         """Launch what the hooks did not, wait for all, and drop the gradient of every parameter no rank used

@@ -180,6 +180,10 @@ class Plan(_Checked, PlanLayout):
         capture: how the stage cut's graph was captured: ``"fx"`` (``torch.fx.symbolic_trace``) or
             ``"export"`` (``torch.export``, non-strict, from ``capture_inputs``).
         capture_inputs: the example forward arguments of an ``"export"`` capture.
+        zero: ZeRO stage over each pipeline stage's data-parallel lanes (Rajbhandari et al., SC 2020): 0 none,
+            1 optimizer state sharded, 2 also gradients (reduce-scatter); see :mod:`whale.parallel.zero`.
+        zero_weights: with ``zero >= 1``, per stage the relative shard size of each of its lanes (numbers >= 0,
+            by lane index; empty = equal shards), sized by device memory (:mod:`whale.plan.zero`).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
@@ -206,6 +210,8 @@ class Plan(_Checked, PlanLayout):
     stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     capture: CaptureName = "fx"
     capture_inputs: tuple[CaptureInput, ...] = ()
+    zero: int = 0
+    zero_weights: tuple[tuple[float, ...], ...] = ()
     precision: PrecisionName = "fp32"
     activation_checkpoint: tuple[str, ...] = ()
     predicted_memory: tuple[float, ...] = ()
@@ -261,6 +267,22 @@ class Plan(_Checked, PlanLayout):
                 self._validate_lane_weights(f"stage_lane_weights[{s}]", weights, s)
         self._validate_ranks()
         self._validate_cut()
+        self._validate_zero()
+
+    def _validate_zero(self) -> None:
+        if self.zero > 2:
+            _fail("zero", self.zero, "is not a ZeRO stage Whale runs (ZeRO-3 is not implemented)",
+                  "use 0, 1 (optimizer state sharded) or 2 (also gradients)")
+        if self.zero_weights and not self.zero:
+            _fail("zero_weights", [list(w) for w in self.zero_weights], "shards nothing while zero = 0",
+                  "set zero >= 1 or leave zero_weights []")
+        if self.zero_weights and len(self.zero_weights) != self.num_stages:
+            _fail("zero_weights", [list(w) for w in self.zero_weights], f"must hold one list per stage "
+                  f"({self.num_stages})", "give each stage the relative shard size of each of its lanes")
+        for s, weights in enumerate(self.zero_weights):
+            if len(weights) != self.lanes_of(s) or not sum(weights) > 0:
+                _fail(f"zero_weights[{s}]", list(weights), f"must hold {self.lanes_of(s)} numbers >= 0 (one per "
+                      "lane of the stage) with a positive sum", "give one relative shard size per lane")
 
     def _validate_lane_weights(self, where: str, weights: tuple[float, ...], stage: int) -> None:
         lanes, k, n = self.lanes_of(stage), self.num_replicas, self.width_of(stage)
@@ -384,5 +406,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "device_order": _seq(_int(0), "ranks"), "devices": _STRS,
            "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
+           "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
            "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG},
 }

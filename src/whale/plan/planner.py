@@ -139,6 +139,7 @@ def make_plan(
         stage_cuts=tuple(stage_cuts),
         leaf_modules=tuple(leaf_modules),
         colocated=colocated,
+        zero=config.zero,
         precision=config.precision,
     )
 

@@ -78,6 +78,7 @@ def format_plan(plan: Plan) -> str:
                      "fixed the stage count)")
     lines.extend(_shard_rows(plan))
     lines.extend(_lane_rows(plan))
+    lines.extend(_zero_rows(plan))
     if plan.stage_cuts:
         how = "torch.export (non-strict), from the sample batch's shapes" if plan.capture == "export" else \
             "torch.fx.symbolic_trace"
@@ -150,3 +151,17 @@ def _shard_rows(plan: Plan) -> list[str]:
                 tot = sum(weights)
                 rows.append(f"{what} shard shares: " + "  ".join(f"{w / tot:.1%}" for w in weights))
     return rows
+
+
+def _zero_rows(plan: Plan) -> list[str]:
+    """The ZeRO stage and, per stage with several lanes, each lane's share of the sharded state."""
+    if not plan.zero:
+        return []
+    what = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
+    shares = []
+    for s in range(plan.num_stages):
+        w = plan.zero_weights[s] if plan.zero_weights else (1.0,) * plan.lanes_of(s)
+        if len(w) > 1:
+            shares += [f"stage {s} lane {i}: {x / sum(w):.1%}" for i, x in enumerate(w)]
+    how = "by device free memory" if plan.zero_weights else "equal"
+    return _wrapped(f"ZeRO-{plan.zero}: {what} sharded over each stage's lanes ({how}): ", shares)

@@ -50,7 +50,8 @@ def _holdings(plan: Plan) -> dict:
     return {"world_size": plan.world_size, "num_replicas": plan.num_replicas,
             "num_micro_batch": plan.num_micro_batch,
             "stages": [(tg.kind, tg.device_count, tg.modules) for tg in plan.task_graphs],
-            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts]}
+            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts],
+            "zero": (plan.zero, plan.zero_weights)}  # ZeRO: each rank's optimizer state is its own slice
 
 
 def save(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int, step: int,

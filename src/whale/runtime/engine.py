@@ -22,10 +22,11 @@ from torch import nn
 from whale.loss import SumOverCount
 from whale.memory.checkpointing import apply_checkpointing
 from whale.memory.monitor import MemoryMonitor
-from whale.parallel.data import GradSync, broadcast_params
+from whale.parallel.data import broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
 from whale.parallel.stages import build_stage
+from whale.parallel.zero import build_grad_sync
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint
@@ -61,7 +62,9 @@ class Engine:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
             :meth:`load_checkpoint`.
         module: this rank's stage module (the whole model when there is one stage); original FQNs.
-        optimizer: the optimizer over this rank's parameters (attach LR schedulers to it).
+        optimizer: the optimizer over this rank's parameters (attach LR schedulers to it); under ZeRO its groups
+            hold this lane's slices of the stage's replicated parameters (:mod:`whale.parallel.zero`).
+        zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero>=1)``, else ``None``.
         stage, lane: this rank's pipeline stage and data-parallel lane.
         last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
 
@@ -98,10 +101,13 @@ class Engine:
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
         self.optimizer = bind_optimizer(optimizer, self.module, full_params, self.split.origins)
-        self.grad_sync = GradSync(groups, ctx.config.bucket_cap_mb)
+        self.grad_sync, self.zero = build_grad_sync(plan, groups, self.mesh.lanes, self.mesh.tied,
+                                                    self.optimizer, ctx.config.bucket_cap_mb)  # ZeRO: parallel/zero.py
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
         self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
+        if self.zero is not None:
+            self._norm_owner = self.zero.norm_params(self._norm_owner)
         links = StageLinks(self.stage, plan.num_stages)
         self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
                                       self._arm)
@@ -308,7 +314,7 @@ class Engine:
             ``(global loss, gradient norm before clipping or None, whether the step was skipped)``.
         """
         fused, scaler = self._fuse_loss(), self.precision.scaler
-        flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self.module.parameters()
+        flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self._grad_holders()
                                                             if p.grad is not None])]
         # overlaps clipping and the update (not fp16); stage 0 of a pipeline may have started it in _arm
         total = None if fused else self._loss_started or self._start_sum([loss_sum] + flags)
@@ -321,10 +327,18 @@ class Engine:
         norm = self._clip() if self.ctx.config.max_grad_norm and not skipped else None
         if not skipped:
             self.optimizer.step()
+            if self.zero is not None:
+                self.zero.gather()  # every lane's updated slices to every lane
         self._zero_grad()
         if scaler is None:
             (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
         return loss, norm, skipped
+
+    def _grad_holders(self) -> list:
+        """The tensors whose ``.grad`` unscaling and clipping scale: this rank's parameters, and under ZeRO-2
+        its slices (their gradients are no views of the parameters' there: :mod:`whale.parallel.zero`)."""
+        params = list(self.module.parameters())
+        return self.zero.clip_targets(params) if self.zero is not None else params
 
     def _zero_grad(self) -> None:
         """Zero the bucketed gradients in place; drop the others (not reduced, e.g. world size 1)."""
@@ -340,7 +354,7 @@ class Engine:
         norm = total ** 0.5
         coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in self.module.parameters():
+            for p in self._grad_holders():
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
