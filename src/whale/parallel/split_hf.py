@@ -148,6 +148,7 @@ class Conv1DColumn(_Sharded):
         part = full.shape[dim] // self.fused_parts
 
         def make() -> nn.Parameter:
+            """This rank's rows of each fused part, concatenated (a fresh parameter)."""
             pieces = [full.detach().narrow(dim, j * part + self.shard_start, self.shard_size)
                       for j in range(self.fused_parts)]
             return nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=full.requires_grad)

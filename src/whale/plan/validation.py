@@ -1,0 +1,91 @@
+"""The Plan's cross-field checks (a mixin of :class:`whale.plan.plan.Plan`, run by ``Plan.validate`` on every
+construction): task graphs against the world size, lane and ZeRO weights, the rank order and the stage cut.
+Each failure is a :class:`~whale.plan.checks.PlanError` naming the field path, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from whale.plan.checks import PlanError, _fail
+
+
+class PlanChecks:
+    """Cross-field checks of a :class:`~whale.plan.plan.Plan` (see the module docstring)."""
+
+    def _validate_zero(self) -> None:
+        if self.zero > 2:
+            _fail("zero", self.zero, "is not a ZeRO stage Whale runs (ZeRO-3 is not implemented)",
+                  "use 0, 1 (optimizer state sharded) or 2 (also gradients)")
+        if self.zero_weights and not self.zero:
+            _fail("zero_weights", [list(w) for w in self.zero_weights], "shards nothing while zero = 0",
+                  "set zero >= 1 or leave zero_weights []")
+        if self.zero_weights and len(self.zero_weights) != self.num_stages:
+            _fail("zero_weights", [list(w) for w in self.zero_weights], f"must hold one list per stage "
+                  f"({self.num_stages})", "give each stage the relative shard size of each of its lanes")
+        for s, weights in enumerate(self.zero_weights):
+            if len(weights) != self.lanes_of(s) or not sum(weights) > 0:
+                _fail(f"zero_weights[{s}]", list(weights), f"must hold {self.lanes_of(s)} numbers >= 0 (one per "
+                      "lane of the stage) with a positive sum", "give one relative shard size per lane")
+
+    def _validate_lane_weights(self, where: str, weights: tuple[float, ...], stage: int) -> None:
+        lanes, k, n = self.lanes_of(stage), self.num_replicas, self.width_of(stage)
+        if len(weights) != lanes:
+            _fail(where, list(weights), f"must hold {lanes} positive numbers, one per data-parallel lane",
+                  f"give {k} replica(s) x {n} device(s) = {lanes}")
+
+    def _validate_task_graphs(self) -> None:
+        widths = [tg.device_count for tg in self.task_graphs]
+        if self.colocated and len(set(widths)) != 1:
+            _fail("task_graphs device counts", widths, "differ, but colocated TaskGraphs share their devices",
+                  "give them the same device_count")
+        for i, tg in enumerate(self.task_graphs):
+            if len(set(widths)) != 1 and tg.has_split:
+                raise PlanError(
+                    f"task_graphs[{i}] ({tg.kind}({tg.device_count}), modules {list(tg.modules)[:3]}) shards "
+                    f"operators, but the pipeline's stages have different device counts {widths}; split runs "
+                    "only in pipelines whose stages all have the same width: give every stage the same "
+                    "device_count, or use replicate in this stage")
+        for i, tg in enumerate(self.task_graphs):
+            if tg.index != i:
+                _fail(f"task_graphs[{i}].index", tg.index, f"must equal its position {i} in task_graphs",
+                      f"number the TaskGraphs 0..{len(self.task_graphs) - 1} in model order")
+            where = f"task_graphs[{i}]"
+            for what, weights in [(f"{where}.shard_weights", tg.shard_weights)] + [
+                    (f"{where}.nested[{j}].shard_weights", n.shard_weights) for j, n in enumerate(tg.nested)]:
+                if weights and len(weights) != tg.device_count:
+                    _fail(what, list(weights), f"must hold {tg.device_count} positive numbers, one per device",
+                          f"give one weight per device of the TaskGraph (device_count {tg.device_count}) "
+                          "or [] for equal shards")
+
+    def _validate_ranks(self) -> None:
+        w = self.world_size
+        if self.device_order and sorted(self.device_order) != list(range(w)):
+            _fail("device_order", list(self.device_order), f"must be a permutation of 0..{w - 1}",
+                  "list every rank once (or [] for the identity)")
+        for name, want, of in (("devices", w, "ranks"), ("predicted_utilization", w, "ranks"),
+                               ("predicted_memory", w, "ranks"),
+                               ("stage_flops", self.num_stages, "stages")):
+            if getattr(self, name) and len(getattr(self, name)) != want:
+                raise PlanError(f"{name} lists {len(getattr(self, name))} entries for {want} {of}; "
+                                f"give one per {of[:-1]} (or [])")
+
+    def _validate_cut(self) -> None:
+        if self.stage_cuts and len(self.stage_cuts) != self.num_stages:
+            raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_stages}")
+        seen: dict[str, int] = {}
+        for s, cut in enumerate(self.stage_cuts):
+            for node in cut.nodes:
+                if node in seen:
+                    raise PlanError(f"stage_cuts[{s}].nodes lists node {node!r}, and so does stage_cuts"
+                                    f"[{seen[node]}].nodes; stage cuts must be "
+                                    "disjoint (a graph node runs in exactly one stage): keep it in one stage")
+                seen[node] = s
+        for i, sp in enumerate(self.shared_params):
+            if any(not 0 <= s < self.num_stages for s in sp.stages):
+                _fail(f"shared_params[{i}].stages", list(sp.stages), f"names a stage outside 0..{self.num_stages - 1}",
+                      f"list the stages holding {list(sp.names)}")
+        names = self.activation_checkpoint
+        for i, a in enumerate(names):
+            inner = next((b for b in names[i + 1:] + names[:i] if a == b or b.startswith(a + ".")), None)
+            if not a or inner is not None:
+                _fail("activation_checkpoint", list(names), f"lists {a!r} " + (f"and {inner!r} inside it" if a
+                      else "(the whole model)"), "list each module once, outermost only, never the root")
