@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "list of module types, FQN globs and TaskGraph indices, e.g. Block or blocks.0,blocks.1")
     a("--track-memory", action="store_true",
       help="measure memory per rank on a plain CPU run too (always on under an emulated cluster)")
-    a("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+    a("--zero", type=int, default=0, choices=[0, 1, 2],
       help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
            "gradients (slices sized by each device's free memory on a cluster spec); 3 is not implemented")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")

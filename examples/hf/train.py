@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--steps", type=int, default=200)
-    a("--batch-size", type=int, default=16, help="global batch (sequences per step, all ranks together)")
+    a("--batch-size", type=int, default=32, help="global batch (sequences per step, all ranks together)")
     a("--seq-len", type=int, default=128)
     a("--layers", type=int, default=4)
     a("--hidden", type=int, default=128)
@@ -76,7 +76,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     model = transformers.LlamaForCausalLM(cfg)
     if args.stages > 1 or args.split > 1:
         if args.layers % args.stages:
-            raise ValueError(f"--layers {args.layers} is not a multiple of --stages {args.stages}")
+            raise ValueError(f"--layers {args.layers} is not a multiple of --stages {args.stages}; pass --stages "
+                             f"dividing it (e.g. 2) or --layers a multiple of {args.stages}")
         per, mapping = args.layers // args.stages, {}
         for s in range(args.stages):
             with wh.replicate(args.split) as stage:
@@ -161,8 +162,20 @@ def run(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def main() -> None:
+    """Run the job; a configuration error prints one line (rank 0) and exits with status 2."""
+    try:
+        run()
+    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ValueError) as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     t0 = time.time()
-    run()
+    main()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wall time {time.time() - t0:.1f} s")
