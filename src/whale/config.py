@@ -101,6 +101,12 @@ class Config:
             ``None`` (auto): on under an emulated cluster (which then enforces each device's memory, see
             :class:`whale.memory.monitor.EmulatedOutOfMemoryError`) and on CUDA (allocator statistics, free),
             off on plain CPU runs (the CPU tracker sees every operation: a few percent of step time).
+        forbid: memory techniques the planner must not add on its own. With a cluster spec and a sample batch
+            the planner predicts every rank's peak memory and, when the plan does not fit, adds the cheapest
+            combination of activation checkpointing, a higher ZeRO stage and offload that does (what is set
+            above is kept: setting it forces it); the plan printout says what it added and why
+            (:mod:`whale.plan.memory`). Names: ``"activation_checkpoint"``, ``"zero"``, ``"zero3"``,
+            ``"offload"``, ``"offload_params"``. Forbidding everything makes a plan that does not fit an error.
     """
 
     num_micro_batch: int = 1
@@ -119,6 +125,7 @@ class Config:
     loss_scale: LossScale = LossScale()
     activation_checkpoint: Any = None
     track_memory: bool | None = None
+    forbid: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -154,6 +161,8 @@ class Config:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm} must be > 0 or None")
         object.__setattr__(self, "activation_checkpoint", _checkpoint_spec(self.activation_checkpoint))
+        _check_forbid(self.forbid)
+        object.__setattr__(self, "forbid", tuple(self.forbid))
         if self.track_memory not in (None, True, False):
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
         if self.backend not in (None, "gloo", "nccl"):
@@ -171,6 +180,15 @@ class Config:
         d["activation_checkpoint"] = spec if isinstance(spec, str) else list(spec)
         d["cluster"] = self.cluster if isinstance(self.cluster, str | type(None)) else repr(self.cluster)
         return d
+
+
+def _check_forbid(forbid: Any) -> None:
+    from whale.plan.memory import FORBIDDEN
+
+    bad = [f for f in (forbid if isinstance(forbid, tuple | list) else [forbid]) if f not in FORBIDDEN]
+    if bad or not isinstance(forbid, tuple | list):
+        raise ConfigError(f"forbid={forbid!r}: {bad or forbid!r} cannot be forbidden; give a tuple of names among "
+                          f"{FORBIDDEN}")
 
 
 def _checkpoint_spec(spec: Any) -> str | tuple[str | int, ...]:

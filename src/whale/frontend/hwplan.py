@@ -15,7 +15,7 @@ from torch import nn
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile, profile_model
-from whale.plan.hardware import MemoryModel, apply_hardware
+from whale.plan.hardware import apply_hardware
 from whale.plan.partition import partition_layers
 from whale.plan.plan import Plan, StageCut
 from whale.plan.schedule import in_flight_micro_batches
@@ -41,9 +41,12 @@ def sample_rows(sample_batch) -> int:
     return int(next(v for v in values if isinstance(v, torch.Tensor)).size(0))
 
 
-def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
-    """Per-unit FLOPs and bytes of one training step on ``rows`` samples of ``sample_batch`` (fake tensors)."""
-    inputs = sample_batch[0]
+def profile(model: nn.Module, sample_batch, rows: int = 2, loss_fn=None) -> ModelProfile:
+    """Per-unit FLOPs and bytes of one training step on ``rows`` samples of ``sample_batch`` (fake tensors),
+    with the training loss ``loss_fn(output, target)`` when given (its saved tensors and backward temporaries,
+    e.g. a language model's log-probabilities and logit gradients, count in ``rest``)."""
+    inputs, target = sample_batch[0], sample_batch[1]
+    b = max(1, min(rows, sample_rows(sample_batch)))
 
     def make(b: int):
         # clone: a slice keeps the whole batch's storage, which the profiler would count as activations
@@ -55,7 +58,10 @@ def profile(model: nn.Module, sample_batch, rows: int = 2) -> ModelProfile:
             return tuple(cut(t) for t in inputs)
         return cut(inputs)
 
-    return profile_model(model, make, batch_size=max(1, min(rows, sample_rows(sample_batch))))
+    loss = None
+    if loss_fn is not None and isinstance(target, torch.Tensor):
+        loss = lambda out, *_a: loss_fn(out, target[:b].clone())  # noqa: E731
+    return profile_model(model, make, batch_size=b, loss_fn=loss)
 
 
 def _stage_speeds(layout: Plan, cluster: ClusterSpec, dtype: str = "fp32") -> tuple[list[float], list[float]]:
@@ -123,28 +129,6 @@ def stage_param_names(cuts: tuple[StageCut, ...], model: nn.Module) -> list[set[
     return [{n for n, _ in model.named_parameters(remove_duplicate=False)}]
 
 
-def memory_model(prof: ModelProfile, stage_params: list[set[str]], global_batch: int,
-                 checkpointed: tuple[str, ...] = ()) -> MemoryModel:
-    """Fixed and per-sample bytes per stage: a unit counts in the stage that holds its first parameter; work
-    outside every unit counts in the last stage. A unit inside a ``checkpointed`` module (FQNs) keeps only its
-    input alive (counted as its output's bytes: a layer of a residual stack) and recomputes its activations
-    once in backward (the stage's largest such unit counts once, in ``recompute_bytes``); checkpointed modules
-    smaller than a unit are not modelled."""
-    fixed = [0.0] * len(stage_params)
-    per = [0.0] * len(stage_params)
-    again = [0.0] * len(stage_params)
-    for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
-        fixed[stage] += u.static_bytes
-        if any(u.name == c or u.name.startswith(c + ".") for c in checkpointed):
-            per[stage] += u.output_bytes
-            again[stage] = max(again[stage], u.activation_bytes)
-        else:
-            per[stage] += u.activation_bytes
-    fixed[-1] += prof.rest.static_bytes
-    per[-1] += prof.rest.activation_bytes
-    return MemoryModel(global_batch, fixed, per, again if checkpointed else [])
-
-
 def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float, ...]:
     """Training FLOPs per sample of each stage (units by the stage holding their parameters; the rest last)."""
     out = [0.0] * len(stage_params)
@@ -152,16 +136,3 @@ def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float
         out[stage] += u.train_flops
     out[-1] += prof.rest.train_flops
     return tuple(out)
-
-
-def lane_activation_bytes(plan: Plan, memory: MemoryModel) -> list[list[float]]:
-    """Per stage, per lane: activation bytes the lane keeps in flight (its rows of one micro-batch x the
-    micro-batches its stage holds at once under the schedule), from the profiled per-sample bytes."""
-    out = []
-    m = plan.num_micro_batch
-    for s in range(plan.num_stages):
-        weights = plan.weights_of(s)
-        in_flight = in_flight_micro_batches(s, plan.num_stages, m, plan.schedule)
-        out.append([memory.per_sample_bytes[s] * memory.global_batch / m * w / sum(weights) * in_flight
-                    for w in weights])
-    return out

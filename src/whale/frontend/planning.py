@@ -18,14 +18,15 @@ from torch import nn
 
 from whale.cluster import ClusterSpec, detect_cluster, memory_capacity
 from whale.config import Config
-from whale.frontend import hwplan
+from whale.frontend import hwplan, memplan
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError
 from whale.frontend.profile import default_units
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.memory.checkpointing import resolve_targets
-from whale.plan.hardware import apply_hardware, is_heterogeneous, predicted_memory
+from whale.plan.hardware import apply_hardware, is_heterogeneous
+from whale.plan.memory import MemoryOptions
 from whale.plan.plan import Plan
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
 from whale.plan.zero import with_zero_weights
@@ -56,14 +57,14 @@ def resolve_cluster(cluster, world_size: int) -> ClusterSpec | None:
 
 
 def plan_model(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None,
-               cluster: ClusterSpec | None = None) -> Plan:
+               cluster: ClusterSpec | None = None, loss_fn=None) -> Plan:
     """The plan Whale runs ``model`` with on ``world_size`` ranks; no processes needed (see
     :func:`plan_with_stages` for the arguments and errors)."""
-    return plan_with_stages(model, world_size, config, sample_batch, cluster)[0]
+    return plan_with_stages(model, world_size, config, sample_batch, cluster, loss_fn)[0]
 
 
 def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = None, sample_batch=None,
-                     cluster: ClusterSpec | None = None) -> tuple[Plan, tuple[nn.Module, ...]]:
+                     cluster: ClusterSpec | None = None, loss_fn=None) -> tuple[Plan, tuple[nn.Module, ...]]:
     """The plan Whale runs ``model`` with on ``world_size`` ranks, and the pipeline's stage modules the cut made
     (empty without a pipeline): ``wh.parallelize`` runs them rather than capturing the model again.
 
@@ -77,6 +78,8 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
             for memory-constrained shares and, on a mixed cluster, speed-balanced pipeline cuts (the
             annotations then fix only the stage count).
         cluster: an already resolved spec (``whale.init`` resolves it once per job).
+        loss_fn: the training loss ``loss_fn(output, target)``: profiled with the model, so the memory it
+            needs (a language model's log-probabilities and logit gradients) counts in the last stage.
 
     Raises:
         ValueError: the model has no parameters.
@@ -96,7 +99,7 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
     pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
     aware = cluster is not None and config.hardware_aware
-    prof = hwplan.profile(model, sample_batch) if aware and sample_batch is not None else None
+    prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
     units = None
     if pipelined and prof is not None and is_heterogeneous(cluster):
         layout = make_plan(kinds, world_size, config)
@@ -112,16 +115,30 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
     if not aware:
         return plan, stages
-    memory = None
-    if prof is not None:
-        params = hwplan.stage_param_names(plan.stage_cuts, model)
-        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch), plan.activation_checkpoint)
-        plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
-    plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
-    plan = dataclasses.replace(plan, predicted_memory=predicted_memory(plan, memory)) if memory else plan
-    plan = with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)],
-                             hwplan.lane_activation_bytes(plan, memory) if memory is not None else None)
-    return plan, stages
+    if prof is None:
+        plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
+        return with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)]), stages
+    params = hwplan.stage_param_names(plan.stage_cuts, model)
+    plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
+    return _fit(model, plan, cluster, config, memplan.stage_memories(prof, model, params, plan.activation_checkpoint),
+                hwplan.sample_rows(sample_batch)), stages
+
+
+def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:
+    """The plan balanced for ``cluster`` with the cheapest memory techniques that fit (:mod:`whale.plan.memory`);
+    the printout says what was added and why.
+
+    Raises:
+        InfeasiblePlanError: nothing allowed fits.
+    """
+    floor = MemoryOptions(bool(plan.activation_checkpoint), plan.zero)
+    choice = memplan.fit_memory(plan, cluster, stage_mem, rows, config, floor, lambda what: what != "zero3"
+                                and not what.startswith("offload"))
+    out = choice.plan
+    if choice.options.activation_checkpoint and not plan.activation_checkpoint:
+        out = _with_checkpointing(model, out, config.replace(activation_checkpoint="all"))
+    notes = out.notes + (choice.reasons if choice.options != floor else ())
+    return dataclasses.replace(out, predicted_memory=tuple(r.device_total for r in choice.ranks), notes=notes)
 
 
 def _with_checkpointing(model: nn.Module, plan: Plan, config: Config) -> Plan:

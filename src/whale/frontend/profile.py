@@ -38,6 +38,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten, tree_map
 
+from whale.frontend.transient import BackwardTransients
+
 aten = torch.ops.aten
 
 
@@ -94,6 +96,9 @@ class UnitProfile:
         param_bytes, grad_bytes, optimizer_state_bytes, buffer_bytes: bytes.
         activation_bytes: bytes saved for backward per sample.
         output_bytes: bytes of the unit's outputs per sample.
+        transient_bytes: most bytes of backward temporaries per sample alive while the unit's backward runs
+            (gradients of activations, workspaces; :mod:`whale.frontend.transient`), counted from the whole
+            model's backward start; ``entry_bytes``: those alive when the unit's backward starts.
     """
 
     name: str
@@ -105,6 +110,8 @@ class UnitProfile:
     buffer_bytes: int
     activation_bytes: float
     output_bytes: float
+    transient_bytes: float = 0.0
+    entry_bytes: float = 0.0
 
     @property
     def train_flops(self) -> float:
@@ -297,6 +304,7 @@ def _run(model, units, params, inputs, batch_size, device, loss_fn, fake_mode):
                  for k, t in params.items()}
         args, kwargs = _make_inputs(inputs, batch_size, device, fake_mode)
         rec = _Recorder(units, list(fakes.values()))
+        transients = BackwardTransients(units, list(fakes.values()), stack)
         counter = stack.enter_context(flop_counter_mode())
         with ExitStack() as fwd:
             rec.hooks(fwd)
@@ -307,7 +315,9 @@ def _run(model, units, params, inputs, batch_size, device, loss_fn, fake_mode):
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ProfileError("the loss does not require grad: no backward to profile (give loss_fn, check "
                                "that parameters require grad)")
-        loss.backward()
+        with transients:
+            loss.backward()
+        rec.transient, rec.entry = transients.peaks, transients.entry
     return forward_counts, counter.get_flop_counts(), rec
 
 
@@ -362,8 +372,9 @@ def profile_model(model: nn.Module, inputs: Callable[[int], Any] | Sequence[Inpu
             a = flops(total, "Global") - sum(flops(total, f"{root}.{u}") for u in unit_mods)
         else:
             f, a = flops(fwd, key), flops(total, key)
-        return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name],
-                           rec.act[name] / batch_size, rec.out[name] / batch_size)
+        return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name], rec.act[name] / batch_size,
+                           rec.out[name] / batch_size, rec.transient.get(name, 0) / batch_size,
+                           rec.entry.get(name, 0) / batch_size)
 
     # in the order forward calls them (a rotary embedding registered last but called first comes first), so
     # contiguous runs of units are what a pipeline stage can run

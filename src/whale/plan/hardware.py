@@ -44,24 +44,6 @@ class MemoryModel:
     recompute_bytes: list[float] = field(default_factory=list)
 
 
-def predicted_memory(plan: Plan, memory: MemoryModel) -> tuple[float, ...]:
-    """Per rank, predicted peak bytes at ``memory.global_batch``: its stage's fixed bytes + per-sample bytes x
-    its lane's rows per micro-batch x the micro-batches its stage holds in flight (1F1B: min(m, S - s); GPipe:
-    m) + the recomputed unit's bytes x those rows.
-
-    Raises:
-        PlanError: the batch does not divide into the plan's micro-batches and lanes.
-    """
-    out = [0.0] * plan.world_size
-    for s in range(plan.num_stages):
-        flight = in_flight_micro_batches(s, plan.num_stages, plan.num_micro_batch, plan.schedule)
-        extra = memory.recompute_bytes[s] if memory.recompute_bytes else 0.0
-        for lane, ranges in enumerate(plan.micro_batch_rows(memory.global_batch, s)):
-            rows = max(b - a for a, b in ranges)
-            out[plan.rank_of(s, lane)] = memory.fixed_bytes[s] + rows * (memory.per_sample_bytes[s] * flight + extra)
-    return tuple(out)
-
-
 def is_heterogeneous(cluster: ClusterSpec) -> bool:
     """True when the spec mixes device types (different peak FLOPS or memory)."""
     kinds = {(d.fp32_flops, d.memory_bytes) for d in cluster.devices()}
@@ -103,10 +85,21 @@ def _rank_limit(plan: Plan, cluster: ClusterSpec, memory: MemoryModel, s: int, r
 
 
 def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list[float]) -> list[float]:
-    """Whole rows of one micro-batch per lane, proportional to speed within each lane's sample limit."""
+    """Whole rows of one micro-batch per lane, proportional to speed within each lane's sample limit.
+
+    Raises:
+        InfeasiblePlanError: the lanes' memory holds fewer rows than a micro-batch has (names the counts).
+    """
     rows = max(1, memory.global_batch // m)
     caps = [float(rows) if lim == float("inf") else lim / m for lim in limits]
-    shares = balance_batch(rows, lane_speed, caps, [0.0] * len(caps), 1.0, min(1, rows // len(caps)))
+    try:
+        shares = balance_batch(rows, lane_speed, caps, [0.0] * len(caps), 1.0, min(1, rows // len(caps)))
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(
+            f"lane {e.device}'s memory holds {caps[e.device]:.2f} rows of a micro-batch and all lanes together "
+            f"{sum(caps):.2f}, but a micro-batch of {rows} rows needs at least {min(1, rows // len(caps))} on "
+            "every lane: use more micro-batches, a smaller batch or devices with more memory", e.device,
+            float(rows), sum(caps)) from e
     return [float(x) for x in shares]
 
 

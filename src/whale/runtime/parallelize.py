@@ -56,7 +56,8 @@ def parallelize(
     ctx = ctx or current_context()
     stages: tuple = ()
     if plan is None:  # the stage modules the front end cut are run as they are (no second capture)
-        plan, stages = plan_with_stages(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster)
+        plan, stages = plan_with_stages(model, ctx.world_size, ctx.config, sample_batch, cluster=ctx.cluster,
+                                        loss_fn=loss_fn)
     else:
         check_plan_fits(plan, ctx)
     return Engine(model, plan, loss_fn, optimizer, ctx, stages=stages)

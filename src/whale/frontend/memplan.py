@@ -1,0 +1,136 @@
+"""From the fake-tensor profile to each stage's memory, and the memory techniques the plan needs to fit.
+
+:func:`stage_memories` turns the profile (:mod:`whale.frontend.profile`) and the plan's stage cut into one
+:class:`whale.plan.memory.StageMemory` per pipeline stage: trainable elements from the stage's own parameter
+names (a weight tied across stages counts in every stage that holds a copy), activation bytes per sample of
+the units the stage runs (the loss in the last stage), the same with every repeated layer checkpointed, and
+the backward temporaries of the stage's units counted from the moment its backward starts (what a pipeline
+rank holds: the received gradient, the gradients of activations, the loss's gradient of the logits).
+
+:func:`fit_memory` asks :func:`whale.plan.memory.choose_memory_options` for the cheapest allowed techniques
+that fit, placing the plan for each candidate with the paper's Algorithm 1 (:func:`apply_hardware`) under a
+:class:`MemoryModel` of that candidate, and records the choice in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from whale.cluster import ClusterSpec, memory_capacity
+from whale.config import Config
+from whale.frontend.profile import ModelProfile
+from whale.memory.checkpointing import repeated_layers
+from whale.plan.hardware import MemoryModel, apply_hardware
+from whale.plan.memory import (
+    MemoryChoice,
+    MemoryOptions,
+    StageMemory,
+    choose_memory_options,
+    rank_memory,
+    stage_activation,
+)
+from whale.plan.plan import Plan
+from whale.plan.zero import with_zero_weights
+
+
+def _inside(name: str, targets: tuple[str, ...]) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in targets)
+
+
+def _stage_units(prof: ModelProfile, stage_params: list[set[str]]) -> list[list]:
+    """Profiled units per stage: by the stage holding their parameters; a unit without parameters (dropout,
+    an activation) runs where the unit before it runs (the first stage when none)."""
+    out: list[list] = [[] for _ in stage_params]
+    s = 0
+    for u in prof.units:
+        prefix = u.name + "."
+        s = next((i for i, names in enumerate(stage_params) if any(n == u.name or n.startswith(prefix)
+                                                                  for n in names)), s)
+        out[s].append(u)
+    return out
+
+
+def _backward_peak(work: list, kept: list[float], last_stage: bool) -> float:
+    """The most bytes per sample alive while the stage's backward walks ``work`` (its units in forward order,
+    the loss last in the last stage): the activations not yet freed (``kept`` per unit; the unit in backward
+    holds its whole activations, recomputed when checkpointed) plus that unit's temporaries: the gradient of
+    its output (received from the next stage, or made by the next unit) and its own increment over the
+    temporaries alive when it started (:mod:`whale.frontend.transient`)."""
+    peak = 0.0
+    for i in range(len(work) - 1, -1, -1):
+        u = work[i]
+        own = max(0.0, u.transient_bytes - u.entry_bytes)
+        incoming = 0.0 if (last_stage and i == len(work) - 1) else u.output_bytes
+        peak = max(peak, sum(kept[:i]) + u.activation_bytes + own + incoming)
+    return peak
+
+
+def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[str]],
+                   checkpointed: tuple[str, ...] = ()) -> list[StageMemory]:
+    """One :class:`StageMemory` per stage (see the module docstring). ``checkpointed``: the module FQNs the
+    plan checkpoints; empty: every repeated layer (what the planner would checkpoint)."""
+    targets = checkpointed or tuple(repeated_layers(model))
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    last = len(stage_params) - 1
+    out = []
+    for s, units in enumerate(_stage_units(prof, stage_params)):
+        names = stage_params[s]
+        trainable = sum(tensors[n].numel() for n in names if n in tensors and tensors[n].requires_grad)
+        frozen = sum(tensors[n].numel() * tensors[n].element_size() for n in names
+                     if n in tensors and not tensors[n].requires_grad)
+        work = units + ([prof.rest] if s == last else [])
+        frozen += sum(u.buffer_bytes for u in work)
+        act = [u.activation_bytes for u in work]
+        ckpt = [u.output_bytes if _inside(u.name, targets) else u.activation_bytes for u in work]
+        out.append(StageMemory(
+            trainable_elements=trainable, frozen_bytes=float(frozen), activation_bytes=sum(act),
+            checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last),
+            checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last),
+            largest_unit_elements=max((u.param_bytes // 4 for u in units), default=0),
+            recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
+            train_flops=sum(u.train_flops for u in work)))
+    return out
+
+
+def memory_model(stages: list[StageMemory], options: MemoryOptions, global_batch: int, lanes: list[int]) -> MemoryModel:
+    """The balancer's :class:`MemoryModel` under ``options``: fixed bytes with an even share of the sharded
+    state over each stage's ``lanes``, per-sample bytes kept in flight, recomputed and transient bytes."""
+    fixed, per, again = [], [], []
+    for st, n in zip(stages, lanes, strict=True):
+        one = rank_memory(st, 0, 1, 1.0 / n, options)
+        fixed.append(one.device_total)
+        kept, peak = stage_activation(st, options)
+        per.append(kept)
+        again.append(peak - kept)
+    return MemoryModel(global_batch, fixed, per, again)
+
+
+def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], global_batch: int, config: Config,
+               floor: MemoryOptions, supported) -> MemoryChoice:
+    """The plan balanced for ``cluster`` with the cheapest allowed memory techniques that fit.
+
+    ``floor``: what the user set (kept); ``config.forbid``: what must not be added; ``supported(options)``:
+    whether the runtime runs a combination.
+
+    Raises:
+        InfeasiblePlanError: no allowed combination fits (names the best one and its shortfall).
+    """
+    capacity = [memory_capacity(cluster, r) for r in range(plan.world_size)]
+    lanes = [plan.lanes_of(s) for s in range(plan.num_stages)]
+    keep = config.load_shares is not None
+
+    def place(opt: MemoryOptions) -> Plan:
+        """The plan balanced under ``opt``'s memory model, with ``opt`` recorded and ZeRO weights set."""
+        placed = apply_hardware(plan, cluster, memory_model(stages, opt, global_batch, lanes), keep_lane_weights=keep)
+        placed = dataclasses.replace(placed, zero=opt.zero)
+        act = [[w / sum(placed.weights_of(s)) * global_batch * stages[s].activation_bytes
+                for w in placed.weights_of(s)] for s in range(plan.num_stages)]
+        return with_zero_weights(placed, capacity, act)
+
+    allowed = tuple(config.forbid) + tuple(f for f in ("zero3", "offload", "offload_params") if not supported(f))
+    speeds = [d.flops("fp32" if plan.precision == "fp32" else "bf16") for d in cluster.devices()]
+    return choose_memory_options(place, stages, global_batch, floor, tuple(dict.fromkeys(allowed)), capacity, [],
+                                 speeds, cluster.inter_node_bandwidth)
+

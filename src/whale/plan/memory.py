@@ -1,0 +1,320 @@
+"""Per-rank memory under each memory option, and the cheapest options that fit (pure functions of plain data).
+
+The Whale paper (Jia et al., USENIX ATC 2022) trains models far larger than one device by combining its parallel
+strategies with recomputation, sharded optimizer state, offloading and mixed precision. This module predicts,
+for a plan, every rank's peak *device* bytes and its *host* bytes under a combination of
+
+- activation checkpointing (every repeated layer recomputes in backward: only its input stays in flight, and
+  the largest layer's activations live once while it is recomputed);
+- ZeRO stage 0-3 over each pipeline stage's data-parallel lanes (Rajbhandari et al., SC 2020), with the lane's
+  share of the sharded state from the plan's ``zero_weights`` (hardware-aware: by free memory);
+- offload (ZeRO-Offload, Ren et al., USENIX ATC 2021): ``"optimizer"`` keeps the optimizer state, an fp32
+  master copy of the lane's parameters and a gradient copy on the host and steps there; ``"optimizer+params"``
+  also keeps the parameters on the host, bringing one layer at a time to the device,
+
+and :func:`choose_memory_options` picks, among the combinations the user allows, the one with the smallest
+predicted step time whose every rank fits its device and its node's host memory.
+
+What each option holds at a rank's peak, per parameter element of its stage (fp32; ``f`` = the lane's share
+of the stage's sharded state, ``E`` = the stage's trainable elements, ``U`` = its largest layer's):
+
+========================  ==========  =================  ===============  ==================
+option                    parameters  gradients          optimizer state  host
+========================  ==========  =================  ===============  ==================
+none                      4E          4E                 8E               0
+ZeRO-1                    4E          4E                 8fE              0
+ZeRO-2                    4E          4E (see below)     8fE              0
+ZeRO-3                    4fE + 8U    4fE + 8U           8fE              0
+offload optimizer         as above    as above           0                (8 + 4 + 4)·fE
+offload optimizer+params  8U          as above           0                (8 + 4 + 4)·fE + 4E·(1-f)*
+========================  ==========  =================  ===============  ==================
+
+ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (gradient accumulation keeps whole
+gradients until then, :mod:`whale.parallel.zero`): its *peak* is ZeRO-1's; it saves memory between steps and
+during the optimizer step. ZeRO-3 holds two layers gathered at once (the one running and the next). (*) with
+parameters offloaded a lane keeps its whole stage on the host unless ZeRO-3 shards it (then ``4fE``).
+
+Step time per option (seconds on the slowest rank, :func:`step_seconds`; compared, not predicted to the
+millisecond): each rank's rows x its stage's training FLOPs at its device's speed (the lane shares are those
+each option's placement gives: a device relieved of memory may take its full speed share again); recomputation costs the checkpointed layers' forward FLOPs again at the device's speed;
+ZeRO-1 adds one broadcast of the parameters (``4E`` bytes over the lanes' link); ZeRO-2 none (reduce-scatter
++ broadcast replace the all-reduce); ZeRO-3 one more all-gather (``4E``) in backward; offload moves gradients
+down and parameters up over PCIe (``8fE`` bytes; parameters offloaded: ``8E`` more per step) and steps Adam
+on the host (``32 fE`` bytes of host memory traffic).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from whale.plan.balance import InfeasiblePlanError
+from whale.plan.plan import Plan
+from whale.plan.schedule import in_flight_micro_batches
+from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.units import format_bytes
+
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+PCIE_BANDWIDTH = 16e9  # bytes/s, PCIe 3.0 x16: device <-> host
+HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s, host DRAM, for the host optimizer step
+FORBIDDEN = ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
+"""What ``Config.forbid`` may name: options the planner must not add on its own."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one pipeline stage needs for one whole (unsharded) copy, fp32, from the profile.
+
+    Attributes:
+        trainable_elements: parameter elements with gradients the stage holds (a weight tied across stages
+            counts in every stage holding it).
+        frozen_bytes: frozen parameters + buffers, bytes (never sharded).
+        activation_bytes: bytes per sample a micro-batch keeps alive until its backward.
+        checkpointed_bytes: the same with every repeated layer checkpointed.
+        backward_bytes: the most bytes per sample alive for the micro-batch whose backward runs: its
+            activations not yet freed plus the backward's temporaries (gradients of activations, the loss's
+            gradient of the logits), at the worst moment (>= ``activation_bytes`` when profiled).
+        checkpointed_backward_bytes: the same with every repeated layer checkpointed (the layer in backward
+            holds its recomputed activations).
+        largest_unit_elements: parameter elements of the stage's largest layer (ZeRO-3 / offload gather window).
+        recompute_flops: forward FLOPs per sample of the checkpointable layers (what recomputation repeats).
+        train_flops: forward + backward FLOPs per sample of the whole stage (to compare the options' compute
+            time on the lane shares each option's placement gives).
+    """
+
+    trainable_elements: int
+    frozen_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    checkpointed_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    checkpointed_backward_bytes: float = 0.0
+    largest_unit_elements: int = 0
+    recompute_flops: float = 0.0
+    train_flops: float = 0.0
+
+
+@dataclass(frozen=True, order=True)
+class MemoryOptions:
+    """One combination of memory techniques (see the module docstring)."""
+
+    activation_checkpoint: bool = False
+    zero: int = 0
+    offload: str = "none"
+
+    def describe(self) -> str:
+        """Human-readable, e.g. ``"activation checkpointing + ZeRO-2 + offload optimizer"``."""
+        parts = (["activation checkpointing"] if self.activation_checkpoint else []) + \
+            ([f"ZeRO-{self.zero}"] if self.zero else []) + \
+            ([f"offload {self.offload}"] if self.offload != "none" else [])
+        return " + ".join(parts) or "no memory techniques"
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes of one rank at its peak: on the device by category, and on the host."""
+
+    device: dict[str, float] = field(default_factory=dict)
+    host: float = 0.0
+
+    @property
+    def device_total(self) -> float:
+        """Sum of the device categories, bytes."""
+        return sum(self.device.values())
+
+
+def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, options: MemoryOptions) -> RankMemory:
+    """Peak bytes of one rank running ``stage`` with ``rows`` samples per micro-batch, ``in_flight`` micro-batches
+    alive at once (the schedule's), and ``share`` (0-1] of the stage's sharded state (ZeRO and offload).
+
+    Raises:
+        ValueError: an unknown offload or ZeRO stage, or a share outside (0, 1].
+    """
+    if options.offload not in OFFLOADS or options.zero not in (0, 1, 2, 3) or not 0 < share <= 1:
+        raise ValueError(f"bad memory options {options} or share {share} (offload in {OFFLOADS}, zero 0-3, "
+                         "share in (0, 1])")
+    e, u = float(stage.trainable_elements), float(stage.largest_unit_elements)
+    f = share if options.zero else 1.0
+    window = 8.0 * min(u, e)  # two layers' parameters (or gradients) gathered at once
+    params = 4 * f * e + window if options.zero == 3 else 4 * e
+    grads = 4 * f * e + window if options.zero == 3 else 4 * e
+    host = 0.0
+    if options.offload == "none":
+        optim = 8 * f * e
+    else:
+        optim, host = 0.0, 16 * f * e
+    if options.offload == "optimizer+params":
+        params = window
+        host += 0.0 if options.zero == 3 else 4 * e * (1 - f)  # the rest of the stage beyond the master slice
+    act, peak = stage_activation(stage, options)
+    device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
+              "activations": rows * act * in_flight, "temporaries": rows * max(0.0, peak - act)}
+    return RankMemory(device, host)
+
+
+def stage_activation(stage: StageMemory, options: MemoryOptions) -> tuple[float, float]:
+    """(bytes per sample a micro-batch in flight keeps, the most bytes per sample of the one in backward),
+    with or without checkpointing; a rank holds ``rows * (kept * (in_flight - 1) + peak)`` at its peak."""
+    if options.activation_checkpoint:
+        return stage.checkpointed_bytes, max(stage.checkpointed_backward_bytes, stage.checkpointed_bytes)
+    return stage.activation_bytes, max(stage.backward_bytes, stage.activation_bytes)
+
+
+def lane_shares(plan: Plan, stage: int, elements: int, weights: tuple[float, ...] | None = None) -> list[float]:
+    """Fraction of ``stage``'s sharded state each lane owns: whole elements by ``weights`` (default the plan's
+    ZeRO weights; :func:`whole_shares`, what the runtime cuts)."""
+    lanes = plan.lanes_of(stage)
+    if elements <= 0:
+        return [1.0 / lanes] * lanes
+    return [n / elements for n in whole_shares(elements, weights or zero_shard_weights(plan, stage))]
+
+
+def plan_memory(plan: Plan, stages: list[StageMemory], global_batch: int, options: MemoryOptions,
+                zero_weights: tuple[tuple[float, ...], ...] = ()) -> list[RankMemory]:
+    """Per rank (by global rank), predicted peak memory at ``global_batch`` samples per step under ``options``,
+    the lanes' state shares by ``zero_weights`` (per stage; default the plan's).
+
+    Raises:
+        ValueError: ``stages`` does not hold one entry per pipeline stage.
+        PlanError: the batch does not divide into the plan's micro-batches and lanes.
+    """
+    if len(stages) != plan.num_stages:
+        raise ValueError(f"plan_memory got {len(stages)} stage memories for {plan.num_stages} stages")
+    out: list[RankMemory] = [RankMemory()] * plan.world_size
+    for s, st in enumerate(stages):
+        flight = in_flight_micro_batches(s, plan.num_stages, plan.num_micro_batch, plan.schedule)
+        shares = lane_shares(plan, s, st.trainable_elements, zero_weights[s] if zero_weights else None)
+        for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
+            rows = max(b - a for a, b in ranges)
+            out[plan.rank_of(s, lane)] = rank_memory(st, rows, flight, max(shares[lane], 1e-12), options)
+    return out
+
+
+def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, options: MemoryOptions,
+                 speeds: list[float], lane_bandwidth: float) -> float:
+    """Seconds per step of the slowest rank: its rows' compute (``train_flops``) at its device's speed plus what
+    ``options`` add (see the module docstring). A measure to compare options and the lane shares their
+    placements give, not the full step-time model (no pipeline bubbles or overlap).
+
+    Args:
+        speeds: FLOP/s per rank; lane_bandwidth: bytes/s of the links between a stage's lanes.
+    """
+    worst = 0.0
+    for s, st in enumerate(stages):
+        lanes = plan.lanes_of(s)
+        shares = lane_shares(plan, s, st.trainable_elements)
+        for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
+            rows = sum(b - a for a, b in ranges)
+            f = shares[lane] if options.zero else 1.0
+            flops = st.train_flops + (st.recompute_flops if options.activation_checkpoint else 0.0)
+            t = rows * flops / speeds[plan.rank_of(s, lane)]
+            ring = 4 * st.trainable_elements * (lanes - 1) / lanes / lane_bandwidth if lanes > 1 else 0.0
+            t += {0: 0.0, 1: ring, 2: 0.0, 3: ring}[options.zero]
+            if options.offload != "none":
+                t += 8 * f * st.trainable_elements / PCIE_BANDWIDTH
+                t += 32 * f * st.trainable_elements / HOST_MEMORY_BANDWIDTH
+            if options.offload == "optimizer+params":
+                t += 8 * st.trainable_elements / PCIE_BANDWIDTH
+            worst = max(worst, t)
+    return worst
+
+
+def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
+    """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows.
+
+    ``forbid`` names (:data:`FORBIDDEN`) techniques the planner must not add: ``"activation_checkpoint"``,
+    ``"zero"`` (any higher ZeRO stage), ``"zero3"``, ``"offload"``, ``"offload_params"``.
+
+    Raises:
+        ValueError: an unknown name in ``forbid``.
+    """
+    unknown = [f for f in forbid if f not in FORBIDDEN]
+    if unknown:
+        raise ValueError(f"cannot forbid {unknown}: choose among {FORBIDDEN}")
+    out = []
+    for ckpt, zero, off in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS):
+        lower = ckpt < floor.activation_checkpoint or zero < floor.zero or \
+            OFFLOADS.index(off) < OFFLOADS.index(floor.offload)
+        banned = (ckpt and not floor.activation_checkpoint and "activation_checkpoint" in forbid) or \
+            (zero > floor.zero and "zero" in forbid) or (zero == 3 > floor.zero and "zero3" in forbid) or \
+            (off != floor.offload and "offload" in forbid) or \
+            (off == "optimizer+params" != floor.offload and "offload_params" in forbid)
+        if not lower and not banned:
+            out.append(MemoryOptions(ckpt, zero, off))
+    return out
+
+
+def shortfalls(ranks: list[RankMemory], capacity: list[float], host_capacity: list[float]) -> list[str]:
+    """One line per rank whose device or host bytes exceed its capacity (``host_capacity``: per rank, its share
+    of its node's host memory; empty: unbounded)."""
+    out = []
+    for r, m in enumerate(ranks):
+        if m.device_total > capacity[r]:
+            out.append(f"rank {r} needs {format_bytes(m.device_total)} of device memory, has "
+                       f"{format_bytes(capacity[r])}")
+        if host_capacity and m.host > host_capacity[r]:
+            out.append(f"rank {r} needs {format_bytes(m.host)} of host memory, has {format_bytes(host_capacity[r])}")
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The chosen options, the plan placed for them, their predicted per-rank memory and step seconds, and
+    why (printable lines)."""
+
+    options: MemoryOptions
+    plan: Plan
+    ranks: tuple[RankMemory, ...]
+    step_seconds: float
+    reasons: tuple[str, ...]
+
+
+def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[StageMemory], global_batch: int,
+                          floor: MemoryOptions, forbid: tuple[str, ...], capacity: list[float],
+                          host_capacity: list[float], speeds: list[float], lane_bandwidth: float) -> MemoryChoice:
+    """The allowed combination (:func:`candidates`) with the least :func:`step_seconds` whose every rank fits
+    (:func:`plan_memory` within ``capacity`` bytes per rank and ``host_capacity``); ties go to fewer
+    techniques. ``place(options)`` returns the plan balanced for those options (lane shares within memory, the
+    Whale paper's Algorithm 1, and hardware-aware ZeRO weights) or raises ``InfeasiblePlanError``. Exhaustive
+    over at most 24 combinations.
+
+    Raises:
+        InfeasiblePlanError: no allowed combination fits; names the best one tried and its shortfalls, and
+            what else could be allowed.
+    """
+    tried = []
+    for opt in candidates(floor, forbid):
+        try:
+            plan = place(opt)
+        except InfeasiblePlanError as e:
+            tried.append((float("inf"), _count(opt), opt, None, None, [str(e).split(". ")[0]], e.need_bytes /
+                          max(e.capacity_bytes, 1.0)))
+            continue
+        ranks = plan_memory(plan, stages, global_batch, opt)
+        cost = step_seconds(plan, stages, global_batch, opt, speeds, lane_bandwidth)
+        ratio = max(m.device_total / c for m, c in zip(ranks, capacity, strict=True))
+        tried.append((cost, _count(opt), opt, plan, ranks, shortfalls(ranks, capacity, host_capacity), ratio))
+    tried.sort(key=lambda t: (t[0], t[1], t[2]))
+    fits = [t for t in tried if not t[5]]
+    if not fits:
+        best = min(tried, key=lambda t: t[6])
+        worst = max(range(len(capacity)), key=lambda r: best[4][r].device_total / capacity[r]) if best[4] else 0
+        need = best[4][worst].device_total if best[4] else capacity[worst] * best[6]
+        raise InfeasiblePlanError(
+            f"no allowed combination of memory techniques fits: even {best[2].describe()} leaves "
+            f"{'; '.join(best[5][:3])}. Allow more (Config.forbid={forbid}), use more devices or pipeline "
+            "stages, or a smaller batch per micro-batch (more micro-batches)", worst, need, capacity[worst])
+    cost, _, opt, plan, ranks, _, _ = fits[0]
+    reasons = [f"memory: {opt.describe()} ({cost * 1e3:.2f} ms per step on the slowest rank, predicted compute "
+               "and memory-technique costs)"]
+    if opt != floor:
+        base = next((t for t in tried if t[2] == floor), None)
+        why = base[5][0] if base and base[5] else "the options set are not allowed"
+        reasons.append(f"memory: chosen because without it {why}")
+        for t in [t for t in tried if t[0] <= cost and t[5] and t[2] not in (floor, opt)][:2]:
+            reasons.append(f"memory: {t[2].describe()} does not fit ({t[5][0]})")
+    return MemoryChoice(opt, plan, tuple(ranks), cost, tuple(reasons))
+
+
+def _count(opt: MemoryOptions) -> int:
+    return int(opt.activation_checkpoint) + int(opt.zero > 0) + int(opt.offload != "none")
