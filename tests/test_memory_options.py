@@ -84,6 +84,8 @@ def _brute(plan, stages, batch, floor, forbid, cap, host, speeds, bw):
         ok = all(m.device_total <= c for m, c in zip(ranks, cap, strict=True)) and \
             all(m.host <= h for m, h in zip(ranks, host, strict=True))
         cost = step_seconds(plan, stages, batch, o, speeds, bw)
+        if ok and o == floor:
+            return cost, o  # what the user set fits: kept as is
         if ok and (best is None or cost < best[0] - 1e-15):
             best = (cost, o)
     return best

@@ -272,9 +272,9 @@ class MemoryChoice:
 def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[StageMemory], global_batch: int,
                           floor: MemoryOptions, forbid: tuple[str, ...], capacity: list[float],
                           host_capacity: list[float], speeds: list[float], lane_bandwidth: float) -> MemoryChoice:
-    """The allowed combination (:func:`candidates`) with the least :func:`step_seconds` whose every rank fits
-    (:func:`plan_memory` within ``capacity`` bytes per rank and ``host_capacity``); ties go to fewer
-    techniques. ``place(options)`` returns the plan balanced for those options (lane shares within memory, the
+    """``floor`` (what the user set) when it fits; else the allowed combination (:func:`candidates`) with the
+    least :func:`step_seconds` whose every rank fits (:func:`plan_memory` within ``capacity`` bytes per rank and
+    ``host_capacity``); ties go to fewer techniques. ``place(options)`` returns the plan balanced for those options (lane shares within memory, the
     Whale paper's Algorithm 1, and hardware-aware ZeRO weights) or raises ``InfeasiblePlanError``. Exhaustive
     over at most 24 combinations.
 
@@ -304,7 +304,8 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
             f"no allowed combination of memory techniques fits: even {best[2].describe()} leaves "
             f"{'; '.join(best[5][:3])}. Allow more (Config.forbid={forbid}), use more devices or pipeline "
             "stages, or a smaller batch per micro-batch (more micro-batches)", worst, need, capacity[worst])
-    cost, _, opt, plan, ranks, _, _ = fits[0]
+    as_set = [t for t in fits if t[2] == floor]  # what the user set fits: nothing is added
+    cost, _, opt, plan, ranks, _, _ = (as_set or fits)[0]
     reasons = [f"memory: {opt.describe()} ({cost * 1e3:.2f} ms per step on the slowest rank, predicted compute "
                "and memory-technique costs)"]
     if opt != floor:
