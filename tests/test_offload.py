@@ -29,6 +29,8 @@ from whale.memory.monitor import format_memory_table
 from whale.memory.tracker import StorageTracker
 from whale.parallel.zero import state_bytes
 from whale.plan.plan import Plan, PlanError, TaskGraph
+from whale.runtime.context import Context
+from whale.runtime.parallelize import check_plan_fits
 
 STEPS = 3
 
@@ -49,7 +51,10 @@ def test_config_and_plan_carry_offload():
     with pytest.raises(PlanError, match="offload"):
         Plan(2, (tg,), 1, zero=1, offload="optimizer+params")
     model = TinyLM()
-    assert wh.plan_model(model, 2, wh.Config(offload="optimizer")).offload == "optimizer"
+    made = wh.plan_model(model, 2, wh.Config(offload="optimizer"))
+    assert made.offload == "optimizer"
+    with pytest.raises(PlanError, match="offload 'optimizer' but this job has 'none'"):  # the plan is the contract
+        check_plan_fits(made, Context(wh.Config(), 0, 2, torch.device("cpu")))
 
 
 def test_cluster_spec_host_memory_round_trips_and_defaults(tmp_path):
@@ -134,8 +139,9 @@ def _equivalence(rank, world, spec, offload):
     out = {"stage": engine.stage, "lane": engine.lane, "lrs": [g["lr"] for g in opt.param_groups],
            "device_state": max(m["memory_category_peaks"]["optimizer_state"] for m in metrics),
            "device_peak": metrics[-1]["peak_memory_bytes"], "host": metrics[-1]["host_memory"],
-           "elements": sum(h.numel() for h in updated), "trainable": sum(h.numel() for h in updated if h.requires_grad),
-           "state": state_bytes(opt), "all_host": all(all(v.device.type == "cpu" for v in s.values()) for s in opt.state.values()),
+           "elements": sum(h.numel() for h in updated),
+           "trainable": sum(h.numel() for h in updated if h.requires_grad), "state": state_bytes(opt),
+           "all_host": {id(q) for g in opt.param_groups for q in g["params"]} == {id(h) for h in updated},
            "table": wh.memory_table(engine)[1]}
     if offload == "optimizer+params":  # between steps the module's parameters are the host tensors
         host = {h.untyped_storage().data_ptr() for _, h, _ in engine.offload.resident}
@@ -159,7 +165,7 @@ def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world,
     results = run_ranks(_equivalence, world, spec, offload, timeout=180)
     for r in results:
         assert r["lrs"] == pytest.approx([1e-3 * 0.7 ** STEPS, 2e-3 * 0.7 ** STEPS])  # the scheduler drove them
-        assert r["device_state"] == 0 and r["all_host"], r  # no optimizer state on the device
+        assert r["device_state"] == 0 and r["all_host"], r  # the user's optimizer steps host masters, not the device
         host = r["host"]
         assert host["host_parameters"] >= 4 * r["elements"] and host["host_gradients"] == 4 * r["trainable"]
         assert r["state"] == 8 * r["trainable"]  # AdamW's two fp32 moments of what this rank steps, on the host

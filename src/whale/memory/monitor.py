@@ -206,7 +206,8 @@ class MemoryMonitor:
                 for r, (need, cap, _, _, _) in enumerate(rows) if need > cap]
         if over:
             raise EmulatedOutOfMemoryError(over)
-        host_over = [(r, int(node), int(need), int(cap)) for r, (_, _, need, cap, node) in enumerate(rows) if need > cap]
+        host_over = [(r, int(node), int(need), int(cap))
+                     for r, (_, _, need, cap, node) in enumerate(rows) if need > cap]
         if host_over:
             raise EmulatedHostOutOfMemoryError(host_over)
 
