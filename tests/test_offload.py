@@ -57,6 +57,14 @@ def test_config_and_plan_carry_offload():
         check_plan_fits(made, Context(wh.Config(), 0, 2, torch.device("cpu")))
 
 
+def test_predicted_device_memory_leaves_out_the_offloaded_optimizer_state():
+    model, sample = TinyLM(), _batches(1)[0]
+    none, host = (wh.plan_model(model, 2, wh.Config(offload=o, cluster="examples/clusters/v100_p100_2.yaml"),
+                                sample_batch=sample).predicted_memory for o in ("none", "optimizer"))
+    adam = 8 * sum(p.numel() for p in model.parameters())  # the profile's 8 bytes of state per element
+    assert [a - b for a, b in zip(none, host, strict=True)] == [adam, adam]
+
+
 def test_cluster_spec_host_memory_round_trips_and_defaults(tmp_path):
     data = {"emulate": True, "memory_scale": 0.5, "nodes": [
         {"devices": ["V100-32GB"] * 8},  # a DGX-1: 8 x 64 GB = 512 GB by default
@@ -183,6 +191,27 @@ def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world,
             lanes = sorted((r for r in results if r["stage"] == stage), key=lambda r: r["lane"])
             w = spec["weights"][stage]
             assert lanes[0]["trainable"] / lanes[1]["trainable"] == pytest.approx(w[0] / w[1], rel=0.15)
+
+
+# --- checkpoints resume exactly (the host masters and state come back); evaluation sees the parameters ----------
+def _resume(rank, world, spec, offload, path):
+    engine, _, _ = _make(world, spec, offload)
+    batches = _batches(4)
+    for batch in batches[:2]:
+        engine.step(batch)
+    engine.save_checkpoint(path)
+    after = [engine.step(b)["loss"] for b in batches[2:]] + [engine.eval_step(batches[0])["loss"]]
+    fresh, _, _ = _make(world, spec, offload)
+    fresh.load_checkpoint(path)
+    again = [fresh.step(b)["loss"] for b in batches[2:]] + [fresh.eval_step(batches[0])["loss"]]
+    return after, again
+
+
+@pytest.mark.parametrize("spec,offload", [({"zero": 2, "layers": (2,), "weights": ((3.0, 1.0),)}, "optimizer"),
+                                          ({"zero": 0, "layers": (2,)}, "optimizer+params")], ids=["zero2", "params"])
+def test_offload_checkpoint_resumes_exactly(spec, offload, tmp_path):
+    for after, again in run_ranks(_resume, 2, spec, offload, str(tmp_path), timeout=120):
+        assert after == again
 
 
 # --- the emulated host out-of-memory error ----------------------------------------------------------------------

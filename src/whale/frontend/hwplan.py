@@ -124,23 +124,27 @@ def stage_param_names(cuts: tuple[StageCut, ...], model: nn.Module) -> list[set[
 
 
 def memory_model(prof: ModelProfile, stage_params: list[set[str]], global_batch: int,
-                 checkpointed: tuple[str, ...] = ()) -> MemoryModel:
+                 checkpointed: tuple[str, ...] = (), offloaded: bool = False) -> MemoryModel:
     """Fixed and per-sample bytes per stage: a unit counts in the stage that holds its first parameter; work
     outside every unit counts in the last stage. A unit inside a ``checkpointed`` module (FQNs) keeps only its
     input alive (counted as its output's bytes: a layer of a residual stack) and recomputes its activations
     once in backward (the stage's largest such unit counts once, in ``recompute_bytes``); checkpointed modules
-    smaller than a unit are not modelled."""
+    smaller than a unit are not modelled. ``offloaded``: the optimizer state lives in host memory
+    (``Plan.offload``), so the device's fixed bytes leave it out."""
     fixed = [0.0] * len(stage_params)
     per = [0.0] * len(stage_params)
     again = [0.0] * len(stage_params)
+    def device_bytes(u) -> int:
+        """A unit's fixed bytes on the device."""
+        return u.static_bytes - (u.optimizer_state_bytes if offloaded else 0)
     for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
-        fixed[stage] += u.static_bytes
+        fixed[stage] += device_bytes(u)
         if any(u.name == c or u.name.startswith(c + ".") for c in checkpointed):
             per[stage] += u.output_bytes
             again[stage] = max(again[stage], u.activation_bytes)
         else:
             per[stage] += u.activation_bytes
-    fixed[-1] += prof.rest.static_bytes
+    fixed[-1] += device_bytes(prof.rest)
     per[-1] += prof.rest.activation_bytes
     return MemoryModel(global_batch, fixed, per, again if checkpointed else [])
 

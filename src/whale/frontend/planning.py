@@ -115,7 +115,8 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     memory = None
     if prof is not None:
         params = hwplan.stage_param_names(plan.stage_cuts, model)
-        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch), plan.activation_checkpoint)
+        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch), plan.activation_checkpoint,
+                                     offloaded=plan.offload != "none")
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
     plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
     plan = dataclasses.replace(plan, predicted_memory=predicted_memory(plan, memory)) if memory else plan
