@@ -114,9 +114,8 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
         return plan, stages
     memory = None
     if prof is not None:
-        params = hwplan.stage_param_names(plan.stage_cuts, model)
-        memory = hwplan.memory_model(prof, params, hwplan.sample_rows(sample_batch), plan.activation_checkpoint,
-                                     offloaded=plan.offload != "none")
+        params, rows = hwplan.stage_param_names(plan.stage_cuts, model), hwplan.sample_rows(sample_batch)
+        memory = hwplan.memory_model(prof, params, rows, plan.activation_checkpoint, plan.offload != "none")
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
     plan = apply_hardware(plan, cluster, memory, keep_lane_weights=config.load_shares is not None)
     plan = dataclasses.replace(plan, predicted_memory=predicted_memory(plan, memory)) if memory else plan
