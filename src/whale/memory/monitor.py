@@ -284,6 +284,5 @@ def format_memory_table(rows: list[dict]) -> str:
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     title = "measured memory per rank (peak of any step; categories at that peak" + \
         ("; host memory apart from device memory)" if host else ")")
-    return "\n".join([title, fmt(head),
-                      *map(fmt, lines)])
+    return "\n".join([title, fmt(head), *map(fmt, lines)])
 

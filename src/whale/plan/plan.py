@@ -191,8 +191,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
             (:mod:`whale.memory.checkpointing`); none nested in another, none overlapping a split module.
-        predicted_memory: per rank, the planner's predicted peak bytes (parameters, gradients, optimizer state
-            and activations in flight; empty when the model was not profiled).
+        predicted_memory: per rank, the planner's predicted peak device bytes (parameters, gradients, optimizer
+            state unless offloaded, and activations in flight; empty when the model was not profiled).
         offload: what each rank keeps in host memory with the optimizer step on the host (ZeRO-Offload):
             ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
             updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
