@@ -17,10 +17,10 @@ from whale.plan.memory import (
     StageMemory,
     candidates,
     choose_memory_options,
-    step_seconds,
     plan_memory,
     rank_memory,
     shortfalls,
+    step_seconds,
 )
 from whale.plan.planner import TaskGraphSummary, make_plan
 
@@ -69,7 +69,8 @@ def _brute(plan, stages, batch, floor, forbid, cap, host, speeds, bw):
     """Every combination by hand: the user's floor kept, forbidden additions dropped, cheapest fitting one."""
     def allowed(o):
         if o.activation_checkpoint < floor.activation_checkpoint or o.zero < floor.zero or \
-                OFFLOADS.index(o.offload) < OFFLOADS.index(floor.offload):
+                OFFLOADS.index(o.offload) < OFFLOADS.index(floor.offload) or \
+                (o.offload == "optimizer+params" and o.zero):  # the runtime offloads parameters with zero=0 only
             return False
         added = {"activation_checkpoint": o.activation_checkpoint and not floor.activation_checkpoint,
                  "zero": o.zero > floor.zero, "zero3": o.zero == 3 and floor.zero < 3,
@@ -105,7 +106,7 @@ def test_choice_is_the_cheapest_fitting_combination_on_random_instances():
         cap = [rng.uniform(2e4, 2e5) for _ in range(plan.world_size)]
         host = [rng.uniform(0, 4e5) for _ in range(plan.world_size)]
         speeds = [rng.uniform(1e9, 1e10) for _ in range(plan.world_size)]
-        floor = rng.choice(ALL[:6])
+        floor = rng.choice([o for o in ALL[:6] if not (o.zero and o.offload == "optimizer+params")])
         forbid = tuple(f for f in ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
                        if rng.random() < 0.2)
         expect = _brute(plan, stages, batch, floor, forbid, cap, host, speeds, 1e9)
@@ -172,9 +173,9 @@ def test_planner_adds_the_cheapest_techniques_when_the_plan_does_not_fit_and_say
     assert all(m <= memory_capacity(spec, r) for r, m in enumerate(tight.predicted_memory))
     text = str(tight)
     assert "memory: chosen because without it rank" in text and "of device memory, has" in text
+    offloaded, _ = _gpt_plan(1.0e-3, forbid=("activation_checkpoint", "zero"))
+    assert offloaded.offload == "optimizer" and "offload optimizer" in str(offloaded)
     with pytest.raises(InfeasiblePlanError, match="no allowed combination of memory techniques fits"):
-        _gpt_plan(1.0e-3, forbid=("activation_checkpoint", "zero"))
-    forced, _ = _gpt_plan(1.0, zero=1)  # what the user sets is kept even where it is not needed
-    assert forced.zero == 1
+        _gpt_plan(1.0e-3, forbid=("activation_checkpoint", "zero", "offload"))
     with pytest.raises(ConfigError, match="cannot be forbidden"):
         Config(forbid=("recompute",))

@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--zero", type=int, default=0, choices=[0, 1, 2],
       help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
            "gradients (slices sized by each device's free memory on a cluster spec); 3 is not implemented")
+    a("--offload", default="none", choices=["none", "optimizer", "optimizer+params"],
+      help="keep the AdamW state (each lane's ZeRO slice), fp32 masters and gradients in host memory and step there "
+           "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -291,7 +294,7 @@ def run(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
-                            cluster=args.cluster, precision=args.precision, zero=args.zero,
+                            cluster=args.cluster, precision=args.precision, zero=args.zero, offload=args.offload,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
                             track_memory=True if args.track_memory else None))
     paths = prepare_data(args, ctx.rank)
@@ -345,7 +348,8 @@ def optimizer_state_bytes(engine: wh.Engine) -> list[int]:
         dist.all_gather_object(out, mine)
     if engine.rank == 0:
         for i, what in enumerate(("optimizer state", "gradients held between steps")):
-            print(f"{what} per rank (ZeRO-{engine.plan.zero}): "
+            where = " in host memory" if engine.plan.offload != "none" and i == 0 else ""
+            print(f"{what}{where} per rank (ZeRO-{engine.plan.zero}): "
                   + ", ".join(f"rank {r}: {b[i] / 2**20:.2f} MiB" for r, b in enumerate(out)), flush=True)
     return [b[0] for b in out]
 
@@ -369,7 +373,7 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         world_size=engine.world_size, stages=engine.plan.num_stages, micro_batches=engine.plan.num_micro_batch,
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
         bubble=bubble, config=vars(args), sample=text, memory=state["memory"], zero=engine.plan.zero,
-        optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
+        offload=engine.plan.offload, optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

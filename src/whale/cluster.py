@@ -12,6 +12,7 @@ YAML schema (ranks are numbered node by node; numbers may be written ``5e12``)::
     nodes:
       - devices: [V100-32GB, V100-32GB]             # catalog names
         intra_node_bandwidth: 3.0e11                # optional, bytes/s
+        host_memory_bytes: 5.12e11                  # optional, bytes of CPU memory (whale.memory.host defaults)
       - devices: {P100-16GB: 1}                     # shorthand {name: count}
       - devices:
           - {name: T4, memory_bytes: 8e9}           # catalog entry with overrides
@@ -39,6 +40,7 @@ DEFAULT_INTER_NODE_BANDWIDTH = 6.25e9
 """50 Gb/s Ethernet = 6.25e9 bytes/s, the paper's testbed (Whale, ATC'22, §5)."""
 
 _DEVICE_FIELDS = ("fp32_flops", "bf16_flops", "memory_bytes", "mem_bandwidth")
+_NODE_KEYS = ("devices", "intra_node_bandwidth", "host_memory_bytes")
 
 
 class ClusterError(ValueError):
@@ -163,15 +165,18 @@ class NodeSpec:
         devices: device type of each local rank.
         intra_node_bandwidth: bytes/s between two devices of this node; ``None`` = NVLink bandwidth when every
             device has NVLink (the smallest), else PCIe (:data:`PCIE_BANDWIDTH`).
+        host_memory_bytes: the node's CPU memory, bytes, shared by its ranks; ``None``: whale.memory.host's default.
     """
 
     devices: tuple[DeviceType, ...]
     intra_node_bandwidth: float | None = None
+    host_memory_bytes: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
-        if self.intra_node_bandwidth is not None:
-            object.__setattr__(self, "intra_node_bandwidth", _number(self.intra_node_bandwidth, "intra_node_bandwidth"))
+        for f in ("intra_node_bandwidth", "host_memory_bytes"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, _number(getattr(self, f), f))
 
     def bandwidth(self) -> float:
         """Bandwidth (bytes/s) between two devices of this node, resolving the ``None`` default."""
@@ -185,9 +190,9 @@ def _parse_node(entry: Any, i: int) -> NodeSpec:
     where = f"nodes[{i}]"
     if not isinstance(entry, dict) or "devices" not in entry:
         raise ClusterError(f"{where}: a node is a mapping with 'devices' (list or {{name: count}}), got {entry!r}")
-    unknown = sorted(set(entry) - {"devices", "intra_node_bandwidth"})
+    unknown = sorted(set(entry) - set(_NODE_KEYS))
     if unknown:
-        raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed: devices, intra_node_bandwidth")
+        raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(_NODE_KEYS)}")
     raw = entry["devices"]
     if isinstance(raw, dict):  # shorthand {name: count}
         items = []
@@ -199,7 +204,7 @@ def _parse_node(entry: Any, i: int) -> NodeSpec:
     if not isinstance(raw, list) or not raw:
         raise ClusterError(f"{where}: 'devices' must be a non-empty list or {{name: count}} mapping")
     devices = tuple(_parse_device(d, f"{where}.devices[{j}]") for j, d in enumerate(raw))
-    return NodeSpec(devices, entry.get("intra_node_bandwidth"))
+    return NodeSpec(devices, entry.get("intra_node_bandwidth"), entry.get("host_memory_bytes"))
 
 
 @dataclass(frozen=True)
@@ -279,8 +284,9 @@ class ClusterSpec:
         nodes = []
         for n in self.nodes:
             node: dict[str, Any] = {"devices": [d.name if CATALOG.get(d.name) == d else d.to_dict() for d in n.devices]}
-            if n.intra_node_bandwidth is not None:
-                node["intra_node_bandwidth"] = n.intra_node_bandwidth
+            for f in ("intra_node_bandwidth", "host_memory_bytes"):
+                if getattr(n, f) is not None:
+                    node[f] = getattr(n, f)
             nodes.append(node)
         return {"emulate": self.emulate, "memory_scale": self.memory_scale,
                 "inter_node_bandwidth": self.inter_node_bandwidth, "nodes": nodes}
@@ -297,12 +303,9 @@ class ClusterSpec:
         nodes = data.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise ClusterError("cluster spec is empty: 'nodes' must be a non-empty list of {devices: [...]}")
-        return cls(
-            nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)),
-            inter_node_bandwidth=data.get("inter_node_bandwidth", DEFAULT_INTER_NODE_BANDWIDTH),
-            emulate=data.get("emulate", False),
-            memory_scale=data.get("memory_scale", 1.0),
-        )
+        return cls(nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)),
+                   inter_node_bandwidth=data.get("inter_node_bandwidth", DEFAULT_INTER_NODE_BANDWIDTH),
+                   emulate=data.get("emulate", False), memory_scale=data.get("memory_scale", 1.0))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
@@ -383,10 +386,9 @@ def detect_cluster(world_size: int) -> ClusterSpec:
 
 
 def emulation_delays(spec: ClusterSpec) -> list[float]:
-    """Per-rank slowdown factor s_max / s_i - 1 by fp32 peak: after a compute segment of t
-    seconds, rank i waits about ``t * factor`` (see :class:`whale.runtime.emulation.EmulatedDevice`) so it runs
-    at its declared speed relative to the fastest device.
-    The fastest rank gets 0.0. Pure; applies whether or not ``spec.emulate`` is set."""
+    """Per-rank slowdown factor s_max / s_i - 1 by fp32 peak: after a compute segment of t seconds, rank i waits
+    about ``t * factor`` (see :class:`whale.runtime.emulation.EmulatedDevice`) so it runs at its declared speed
+    relative to the fastest device. The fastest rank gets 0.0. Pure; applies whether or not ``spec.emulate`` is set."""
     speeds = [d.fp32_flops for d in spec.devices()]
     top = max(speeds)
     return [top / s - 1.0 for s in speeds]
@@ -395,5 +397,4 @@ def emulation_delays(spec: ClusterSpec) -> list[float]:
 def memory_capacity(spec: ClusterSpec, rank: int) -> float:
     """Memory (bytes) rank ``rank`` may use: declared memory, times ``memory_scale`` when emulating."""
     spec.node_of(rank)  # range check
-    dev = spec.devices()[rank]
-    return dev.memory_bytes * (spec.memory_scale if spec.emulate else 1.0)
+    return spec.devices()[rank].memory_bytes * (spec.memory_scale if spec.emulate else 1.0)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from whale.plan.plan import PRECISIONS, PrecisionName
+from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
 from whale.plan.schedule import SCHEDULES, ScheduleName
 
 
@@ -107,6 +107,13 @@ class Config:
             above is kept: setting it forces it); the plan printout says what it added and why
             (:mod:`whale.plan.memory`). Names: ``"activation_checkpoint"``, ``"zero"``, ``"zero3"``,
             ``"offload"``, ``"offload_params"``. Forbidding everything makes a plan that does not fit an error.
+        offload: ZeRO-Offload (Ren et al., USENIX ATC 2021): ``"none"`` (default); ``"optimizer"``: each rank keeps
+            fp32 master copies, gradients and the optimizer state of the parameters it updates (its ZeRO slice
+            under ``zero >= 1``) in host memory (pinned on CUDA) and runs ``optimizer.step()`` there; the updated
+            parameters are copied back to the device. ``"optimizer+params"``: also the stage's parameters stay
+            on the host between steps and are copied to the device for each step's forward and backward (needs
+            ``zero=0``). Host bytes are measured apart from device bytes and, under an emulated cluster, bounded
+            by each node's ``host_memory_bytes`` shared by its ranks (:mod:`whale.runtime.offload`).
     """
 
     num_micro_batch: int = 1
@@ -126,6 +133,7 @@ class Config:
     activation_checkpoint: Any = None
     track_memory: bool | None = None
     forbid: tuple[str, ...] = ()
+    offload: OffloadName = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -165,6 +173,12 @@ class Config:
         object.__setattr__(self, "forbid", tuple(self.forbid))
         if self.track_memory not in (None, True, False):
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"offload={self.offload!r} is unknown; choose one of {OFFLOADS}")
+        if self.offload == "optimizer+params" and self.zero:
+            raise ConfigError(f"offload='optimizer+params' with zero={self.zero}: whole parameters cannot stay on "
+                              "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "
+                              "slice of the optimizer state) or zero=0")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
 
 
@@ -44,7 +45,7 @@ def _make_plan(ns: argparse.Namespace):
     made = load_factory(ns.model)(**{k: _value(v) for k, v in pairs})
     model, sample = made if isinstance(made, tuple) else (made, None)
     config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
-                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision)
+                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload)
     return wh.plan_model(model, ns.world, config, sample_batch=sample)
 
 
@@ -60,6 +61,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", default="1F1B", choices=SCHEDULES)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autocast dtype of the forward (fp16: with dynamic loss scaling)")
+    p.add_argument("--offload", default="none", choices=OFFLOADS,
+                   help="optimizer state (and parameters) in host memory, the optimizer step on the host")
     p.add_argument("--no-hardware-aware", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--out", metavar="PLAN.json",

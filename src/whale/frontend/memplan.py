@@ -22,6 +22,7 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile
 from whale.memory.checkpointing import repeated_layers
+from whale.memory.host import host_memory_capacity
 from whale.plan.hardware import MemoryModel, apply_hardware
 from whale.plan.memory import (
     MemoryChoice,
@@ -76,10 +77,9 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
     last = len(stage_params) - 1
     out = []
     for s, units in enumerate(_stage_units(prof, stage_params)):
-        names = stage_params[s]
-        trainable = sum(tensors[n].numel() for n in names if n in tensors and tensors[n].requires_grad)
-        frozen = sum(tensors[n].numel() * tensors[n].element_size() for n in names
-                     if n in tensors and not tensors[n].requires_grad)
+        held = {id(tensors[n]): tensors[n] for n in stage_params[s] if n in tensors}  # a tied pair once per stage
+        trainable = sum(t.numel() for t in held.values() if t.requires_grad)
+        frozen = sum(t.numel() * t.element_size() for t in held.values() if not t.requires_grad)
         work = units + ([prof.rest] if s == last else [])
         frozen += sum(u.buffer_bytes for u in work)
         act = [u.activation_bytes for u in work]
@@ -118,19 +118,20 @@ def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], glob
         InfeasiblePlanError: no allowed combination fits (names the best one and its shortfall).
     """
     capacity = [memory_capacity(cluster, r) for r in range(plan.world_size)]
+    host = [host_memory_capacity(cluster, r) for r in range(plan.world_size)]
     lanes = [plan.lanes_of(s) for s in range(plan.num_stages)]
     keep = config.load_shares is not None
 
     def place(opt: MemoryOptions) -> Plan:
         """The plan balanced under ``opt``'s memory model, with ``opt`` recorded and ZeRO weights set."""
         placed = apply_hardware(plan, cluster, memory_model(stages, opt, global_batch, lanes), keep_lane_weights=keep)
-        placed = dataclasses.replace(placed, zero=opt.zero)
+        placed = dataclasses.replace(placed, zero=opt.zero, offload=opt.offload)
         act = [[w / sum(placed.weights_of(s)) * global_batch * stages[s].activation_bytes
                 for w in placed.weights_of(s)] for s in range(plan.num_stages)]
         return with_zero_weights(placed, capacity, act)
 
     allowed = tuple(config.forbid) + tuple(f for f in ("zero3", "offload", "offload_params") if not supported(f))
     speeds = [d.flops("fp32" if plan.precision == "fp32" else "bf16") for d in cluster.devices()]
-    return choose_memory_options(place, stages, global_batch, floor, tuple(dict.fromkeys(allowed)), capacity, [],
+    return choose_memory_options(place, stages, global_batch, floor, tuple(dict.fromkeys(allowed)), capacity, host,
                                  speeds, cluster.inter_node_bandwidth)
 

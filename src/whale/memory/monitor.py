@@ -6,6 +6,11 @@ allocator's own peak (``torch.cuda.max_memory_allocated``, reset every step). Un
 rank compares its measured peak with its declared device memory (x ``memory_scale``) at the end of each step,
 and all ranks agree (one all-reduce of the peaks) so that an over-capacity rank stops every rank with the same
 :class:`EmulatedOutOfMemoryError` instead of leaving its peers waiting.
+
+With offload (:mod:`whale.runtime.offload`, attached by :meth:`MemoryMonitor.attach_host`) host memory is
+measured apart (the tracker's host categories; on CUDA without the tracker, the host tensors by identity),
+reported as ``host_peak_memory_bytes`` / ``host_memory`` and, under emulation, bounded by the rank's share of its
+node's host memory in the same all-reduce (:class:`whale.memory.host.EmulatedHostOutOfMemoryError`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.memory.tracker import CATEGORIES, StorageTracker
+from whale.memory.host import EmulatedHostOutOfMemoryError
+from whale.memory.tracker import CATEGORIES, HOST_CATEGORIES, StorageTracker
 from whale.units import format_bytes
 
 
@@ -59,7 +65,9 @@ class MemoryMonitor:
         self.names, self.predicted = device_names, predicted
         self.cuda = device.type == "cuda" and track is not False
         self.tracker = StorageTracker() if track or (track is None and capacity is not None) else None
-        self.steps, self.peak, self.at_peak, self.category_peaks = 0, 0, {}, dict.fromkeys(CATEGORIES, 0)
+        self.steps, self.peak, self.at_peak = 0, 0, {}
+        self.category_peaks = dict.fromkeys(CATEGORIES + HOST_CATEGORIES, 0)
+        self.host, self.host_capacity, self.node, self.host_peak, self.host_at_peak = None, None, 0, 0, {}
         if self.tracker is not None:
             self._hook()
 
@@ -74,6 +82,14 @@ class MemoryMonitor:
         return cls(module, optimizer, ctx.device, ctx.config.track_memory,
                    memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank, ctx.world_size,
                    plan.devices, plan.predicted_memory)
+
+    def attach_host(self, host, capacity: float | None, node: int) -> None:
+        """Measure the host memory of ``host`` (a :class:`whale.runtime.offload.HostOffload`) apart from the
+        device's: its tensors and the optimizer's state count in the host categories. ``capacity``: emulation
+        only, this rank's share of its node's host memory, bytes (``None``: no check); ``node``: its node."""
+        self.host, self.host_capacity, self.node = host, capacity, node
+        if self.tracker is not None:
+            self.tracker.optimizer_category = "host_optimizer_state"
 
     @property
     def enabled(self) -> bool:
@@ -94,6 +110,10 @@ class MemoryMonitor:
             tr.label(p.grad, "gradients")
         for b in self.module.buffers():
             tr.label(b, "buffers")
+        if self.host is not None:  # the optimizer's state is among the host tensors
+            for t, category in self.host.host_tensors():
+                tr.label(t, category)
+            return
         for state in self.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.dim():
@@ -125,8 +145,8 @@ class MemoryMonitor:
                     out += t.untyped_storage().nbytes()
             return out
         params = list(self.module.parameters())
-        return {"parameters": size(params), "gradients": size(p.grad for p in params),
-                "optimizer_state": size(v for s in self.optimizer.state.values() for v in s.values())}
+        state = [] if self.host is not None else [v for s in self.optimizer.state.values() for v in s.values()]
+        return {"parameters": size(params), "gradients": size(p.grad for p in params), "optimizer_state": size(state)}
 
     def end_step(self) -> dict:
         """The step's metrics (empty when not measuring): ``peak_memory_bytes`` and ``memory`` (bytes per
@@ -151,23 +171,45 @@ class MemoryMonitor:
             if self.tracker is None:
                 at_peak["activations_and_temporaries"] = max(0, peak - sum(at_peak.values()))
         out.update(peak_memory_bytes=peak, memory=at_peak)
+        host_peak = self._host_step(out)
         self.steps += 1
         if peak >= self.peak:
             self.peak, self.at_peak = peak, at_peak
         if self.capacity is not None:
-            self._check_capacity(peak)
+            self._check_capacity(peak, host_peak)
         return out
 
-    def _check_capacity(self, peak: int) -> None:
-        """All ranks exchange (peak, capacity); any rank over capacity stops every rank with the same error."""
-        t = torch.zeros(2 * self.world_size, dtype=torch.float64)
-        t[2 * self.rank], t[2 * self.rank + 1] = float(peak), float(self.capacity)
+    def _host_step(self, out: dict) -> int:
+        """With offload: the step's host peak and host bytes by category at it, into ``out``; returns the peak."""
+        if self.host is None:
+            return 0
+        if self.tracker is not None:
+            peak, at_peak = self.tracker.host_peak, dict(self.tracker.host_at_peak)
+        else:
+            at_peak = self.host.host_bytes()
+            peak = sum(at_peak.values())
+        out.update(host_peak_memory_bytes=peak, host_memory=at_peak)
+        if peak >= self.host_peak:
+            self.host_peak, self.host_at_peak = peak, at_peak
+        return peak
+
+    def _check_capacity(self, peak: int, host_peak: int = 0) -> None:
+        """All ranks exchange (peak, capacity, host peak, host capacity, node); any rank over its device (else
+        host) capacity stops every rank with the same error."""
+        t = torch.zeros(5 * self.world_size, dtype=torch.float64)
+        host_cap = self.host_capacity if self.host_capacity is not None else float("inf")
+        t[5 * self.rank: 5 * self.rank + 5] = torch.tensor([peak, self.capacity, host_peak, host_cap, self.node])
         if self.world_size > 1:
             dist.all_reduce(t)
-        over = [(r, self._name(r), int(t[2 * r]), int(t[2 * r + 1]), self._predicted(r))
-                for r in range(self.world_size) if t[2 * r] > t[2 * r + 1]]
+        rows = t.view(self.world_size, 5).tolist()
+        over = [(r, self._name(r), int(need), int(cap), self._predicted(r))
+                for r, (need, cap, _, _, _) in enumerate(rows) if need > cap]
         if over:
             raise EmulatedOutOfMemoryError(over)
+        host_over = [(r, int(node), int(need), int(cap))
+                     for r, (_, _, need, cap, node) in enumerate(rows) if need > cap]
+        if host_over:
+            raise EmulatedHostOutOfMemoryError(host_over)
 
     def _name(self, rank: int) -> str:
         return self.names[rank] if rank < len(self.names) else self.device.type
@@ -180,7 +222,9 @@ class MemoryMonitor:
         return {"rank": self.rank, "stage": stage, "lane": lane, "device": self._name(self.rank),
                 "steps": self.steps, "peak_bytes": self.peak, "at_peak": dict(self.at_peak),
                 "category_peaks": dict(self.category_peaks) if self.tracker is not None else {},
-                "capacity_bytes": self.capacity, "predicted_bytes": self._predicted(self.rank)}
+                "capacity_bytes": self.capacity, "predicted_bytes": self._predicted(self.rank),
+                "host_peak_bytes": self.host_peak if self.host is not None else None,
+                "host_at_peak": dict(self.host_at_peak), "host_capacity_bytes": self.host_capacity}
 
     def close(self) -> None:
         """Remove the tracker's hooks (the engine no longer measures)."""
@@ -193,7 +237,8 @@ def memory_rows(monitor: MemoryMonitor, stage: int, lane: int) -> list[dict]:
     """Every rank's row (collective: all ranks call it; rows in rank order). Each row: ``rank``, ``stage``,
     ``lane``, ``device``, ``steps`` measured, ``peak_bytes`` (highest step peak), ``at_peak`` (bytes per
     category at that peak), ``category_peaks`` (each category's own peak), ``capacity_bytes`` (emulation, else
-    None) and ``predicted_bytes`` (the planner's, or None)."""
+    None) and ``predicted_bytes`` (the planner's, or None); with offload ``host_peak_bytes`` (else None),
+    ``host_at_peak`` (host bytes per host category at that peak) and ``host_capacity_bytes`` (emulation)."""
     row = monitor.row(stage, lane)
     if monitor.world_size == 1 or not dist.is_initialized():
         return [row]
@@ -212,13 +257,17 @@ def memory_table(engine) -> tuple[list[dict], str]:
 
 def format_memory_table(rows: list[dict]) -> str:
     """The rows of :func:`memory_rows` as a printable table (MiB = 2**20 bytes); a note when nothing was
-    measured."""
+    measured. With offload, host columns follow the device's: the host peak, each host category at it (names
+    without ``host_``) and the host capacity."""
     if not rows or not any(r["steps"] for r in rows):
         return "memory: not measured (Config(track_memory=True) to measure on CPU)"
     cats = [c for c in CATEGORIES if any(r["at_peak"].get(c) for r in rows)] or ["parameters"]
     cats += ["activations_and_temporaries"] if any("activations_and_temporaries" in r["at_peak"] for r in rows) else []
     head = ["rank", "stage", "lane", "device", "peak MiB"] + [f"{c} MiB" for c in cats]
     head += ["act peak MiB", "capacity MiB", "predicted MiB", "pred/meas"]
+    host = any(r.get("host_peak_bytes") is not None for r in rows)
+    if host:
+        head += ["host peak MiB"] + [f"host {c[5:]} MiB" for c in HOST_CATEGORIES] + ["host capacity MiB"]
     mib = lambda b: f"{b / 2**20:.2f}" if b is not None else "-"  # noqa: E731
     lines = []
     for r in rows:
@@ -227,9 +276,13 @@ def format_memory_table(rows: list[dict]) -> str:
         cells += [mib(r["at_peak"].get(c, 0)) for c in cats]
         cells += [mib(r["category_peaks"].get("activations")), mib(r["capacity_bytes"]), mib(pred),
                   f"{pred / r['peak_bytes']:.2f}" if pred and r["peak_bytes"] else "-"]
+        if host:
+            cells += [mib(r.get("host_peak_bytes"))] + [mib(r["host_at_peak"].get(c, 0)) for c in HOST_CATEGORIES]
+            cells.append(mib(r.get("host_capacity_bytes")))
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
-    return "\n".join(["measured memory per rank (peak of any step; categories at that peak)", fmt(head),
-                      *map(fmt, lines)])
+    title = "measured memory per rank (peak of any step; categories at that peak" + \
+        ("; host memory apart from device memory)" if host else ")")
+    return "\n".join([title, fmt(head), *map(fmt, lines)])
 

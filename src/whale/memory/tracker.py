@@ -16,6 +16,11 @@ Categories (:data:`CATEGORIES`), by identity where identity is known, else by wh
   (:func:`recomputing`);
 - ``temporaries``: storages made in backward (gradients of activations, workspaces).
 
+Host memory (:data:`HOST_CATEGORIES`, with offload: :mod:`whale.runtime.offload`) is counted apart from the
+device: ``host_parameters``, ``host_gradients`` and ``host_optimizer_state`` (the host copies, labelled by
+identity, and storages made inside a host ``optimizer.step()``) add to :attr:`StorageTracker.host_total` and its
+own peak, never to the device's ``total``/``peak``, even on CPU where both live in the same RAM.
+
 Why not ``torch.distributed._tools.mem_tracker.MemTracker`` (it does run on CPU in torch 2.13): it raises
 ``NotImplementedError`` when a root module is called twice in one iteration, which every micro-batch of
 gradient accumulation and every pipeline schedule does; it deep-copies per-module snapshots at every new peak
@@ -35,7 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES: tuple[str, ...] = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
-"""The categories live storage is counted in (see the module docstring)."""
+"""The device categories live storage is counted in (see the module docstring)."""
+HOST_CATEGORIES: tuple[str, ...] = ("host_parameters", "host_gradients", "host_optimizer_state")
+"""The host-memory categories (offload), counted apart from the device's."""
 
 _LOCAL = threading.local()
 
@@ -62,31 +69,36 @@ class StorageTracker(TorchDispatchMode):
     around the work to measure; storages made outside it are counted only if :meth:`label` -led.
 
     Attributes:
-        current: live bytes per category now.
-        total: live bytes now (sum of ``current``).
+        current: live bytes per category now (device and host categories).
+        total: live device bytes now (sum of ``current`` over :data:`CATEGORIES`).
         peak: the highest ``total`` since :meth:`reset_peak`, bytes.
-        at_peak: ``current`` at that moment (bytes per category).
+        at_peak: ``current`` of the device categories at that moment (bytes per category).
+        host_total, host_peak, host_at_peak: the same for the host categories (:data:`HOST_CATEGORIES`).
         category_peaks: per category, its own highest live bytes since :meth:`reset_peak`.
         in_optimizer: set while the optimizer steps (new storages are optimizer state).
+        optimizer_category: the category of storages made while ``in_optimizer`` (``"host_optimizer_state"``
+            when the optimizer steps on the host).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category]
-        self.current = dict.fromkeys(CATEGORIES, 0)
-        self.total = 0
+        self.current = dict.fromkeys(CATEGORIES + HOST_CATEGORIES, 0)
+        self.total = self.host_total = 0
         self.in_optimizer = False
+        self.optimizer_category = "optimizer_state"
         self.reset_peak()
 
     def reset_peak(self) -> None:
         """Start a new measurement window: peaks become the live bytes now."""
-        self.peak = self.total
-        self.at_peak = dict(self.current)
+        self.peak, self.host_peak = self.total, self.host_total
+        self.at_peak = {c: self.current[c] for c in CATEGORIES}
+        self.host_at_peak = {c: self.current[c] for c in HOST_CATEGORIES}
         self.category_peaks = dict(self.current)
 
     def _new_category(self) -> str:
         if self.in_optimizer:
-            return "optimizer_state"
+            return self.optimizer_category
         if torch._C._current_graph_task_id() != -1 and not getattr(_LOCAL, "depth", 0):
             return "temporaries"
         return "activations"
@@ -94,17 +106,23 @@ class StorageTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
-            self.current[entry[1]] -= entry[0]
-            self.total -= entry[0]
+            self._grow(entry[1], -entry[0])
 
     def _grow(self, category: str, nbytes: int) -> None:
+        """Add ``nbytes`` (may be negative) to ``category`` and its total (device or host); update the peaks."""
         self.current[category] += nbytes
-        self.total += nbytes
         if self.current[category] > self.category_peaks[category]:
             self.category_peaks[category] = self.current[category]
+        if category in HOST_CATEGORIES:
+            self.host_total += nbytes
+            if self.host_total > self.host_peak:
+                self.host_peak = self.host_total
+                self.host_at_peak = {c: self.current[c] for c in HOST_CATEGORIES}
+            return
+        self.total += nbytes
         if self.total > self.peak:
             self.peak = self.total
-            self.at_peak = dict(self.current)
+            self.at_peak = {c: self.current[c] for c in CATEGORIES}
 
     def _see(self, t: torch.Tensor, category: str | None) -> None:
         """Register ``t``'s storage (as ``category``, or the phase's when None) or update its size/category."""
@@ -118,8 +136,7 @@ class StorageTracker(TorchDispatchMode):
             weakref.finalize(st, self._free, key)
             entry = self._live[key]
         elif category is not None and entry[1] != category:
-            self.current[entry[1]] -= entry[0]
-            self.total -= entry[0]
+            self._grow(entry[1], -entry[0])
             entry[0], entry[1] = 0, category
         if nbytes != entry[0]:
             grow, entry[0] = nbytes - entry[0], nbytes
@@ -129,10 +146,10 @@ class StorageTracker(TorchDispatchMode):
         """Count ``t``'s storage (made inside the tracker or not) as ``category`` from now on.
 
         Raises:
-            ValueError: ``category`` is not one of :data:`CATEGORIES`.
+            ValueError: ``category`` is not one of :data:`CATEGORIES` or :data:`HOST_CATEGORIES`.
         """
         if category not in self.current:
-            raise ValueError(f"unknown memory category {category!r}; choose one of {CATEGORIES}")
+            raise ValueError(f"unknown memory category {category!r}; choose one of {CATEGORIES + HOST_CATEGORIES}")
         if isinstance(t, torch.Tensor):
             self._see(t, category)
 

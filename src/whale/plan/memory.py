@@ -25,20 +25,23 @@ none                      4E          4E                 8E               0
 ZeRO-1                    4E          4E                 8fE              0
 ZeRO-2                    4E          4E (see below)     8fE              0
 ZeRO-3                    4fE + 8U    4fE + 8U           8fE              0
-offload optimizer         as above    as above           0                (8 + 4 + 4)·fE
-offload optimizer+params  8U          as above           0                (8 + 4 + 4)·fE + 4E·(1-f)*
+offload optimizer         as above    as above           0                (4 + 4 + 8)·fE
+offload optimizer+params  4E          4E                 0                (4 + 4 + 8)·E
 ========================  ==========  =================  ===============  ==================
 
 ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (gradient accumulation keeps whole
 gradients until then, :mod:`whale.parallel.zero`): its *peak* is ZeRO-1's; it saves memory between steps and
-during the optimizer step. ZeRO-3 holds two layers gathered at once (the one running and the next). (*) with
-parameters offloaded a lane keeps its whole stage on the host unless ZeRO-3 shards it (then ``4fE``).
+during the optimizer step. ZeRO-3 holds two layers gathered at once (the one running and the next). The
+offloaded host keeps fp32 masters, gradient copies and the optimizer state of the lane's slice
+(:mod:`whale.runtime.offload`); ``"optimizer+params"`` (``zero=0`` only) also keeps the parameters on the host
+between steps, but brings the whole stage to the device for the step, so it does not lower the step's peak.
 
 Step time per option (seconds on the slowest rank, :func:`step_seconds`; compared, not predicted to the
 millisecond): each rank's rows x its stage's training FLOPs at its device's speed (the lane shares are those
-each option's placement gives: a device relieved of memory may take its full speed share again); recomputation costs the checkpointed layers' forward FLOPs again at the device's speed;
-ZeRO-1 adds one broadcast of the parameters (``4E`` bytes over the lanes' link); ZeRO-2 none (reduce-scatter
-+ broadcast replace the all-reduce); ZeRO-3 one more all-gather (``4E``) in backward; offload moves gradients
+each option's placement gives: a device relieved of memory may take its full speed share again);
+recomputation costs the checkpointed layers' forward FLOPs again at the device's speed; ZeRO-1 adds one
+broadcast of the parameters (``4E`` bytes over the lanes' link); ZeRO-2 none (reduce-scatter + broadcast
+replace the all-reduce); ZeRO-3 one more all-gather (``4E``) in backward; offload moves gradients
 down and parameters up over PCIe (``8fE`` bytes; parameters offloaded: ``8E`` more per step) and steps Adam
 on the host (``32 fE`` bytes of host memory traffic).
 """
@@ -143,9 +146,6 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
         optim = 8 * f * e
     else:
         optim, host = 0.0, 16 * f * e
-    if options.offload == "optimizer+params":
-        params = window
-        host += 0.0 if options.zero == 3 else 4 * e * (1 - f)  # the rest of the stage beyond the master slice
     act, peak = stage_activation(stage, options)
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
               "activations": rows * act * in_flight, "temporaries": rows * max(0.0, peak - act)}
@@ -220,7 +220,8 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
 
 
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
-    """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows.
+    """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows (offloading
+    the parameters runs with ``zero=0`` only).
 
     ``forbid`` names (:data:`FORBIDDEN`) techniques the planner must not add: ``"activation_checkpoint"``,
     ``"zero"`` (any higher ZeRO stage), ``"zero3"``, ``"offload"``, ``"offload_params"``.
@@ -234,7 +235,7 @@ def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[Memor
     out = []
     for ckpt, zero, off in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS):
         lower = ckpt < floor.activation_checkpoint or zero < floor.zero or \
-            OFFLOADS.index(off) < OFFLOADS.index(floor.offload)
+            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0)
         banned = (ckpt and not floor.activation_checkpoint and "activation_checkpoint" in forbid) or \
             (zero > floor.zero and "zero" in forbid) or (zero == 3 > floor.zero and "zero3" in forbid) or \
             (off != floor.offload and "offload" in forbid) or \
@@ -274,9 +275,9 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
                           host_capacity: list[float], speeds: list[float], lane_bandwidth: float) -> MemoryChoice:
     """``floor`` (what the user set) when it fits; else the allowed combination (:func:`candidates`) with the
     least :func:`step_seconds` whose every rank fits (:func:`plan_memory` within ``capacity`` bytes per rank and
-    ``host_capacity``); ties go to fewer techniques. ``place(options)`` returns the plan balanced for those options (lane shares within memory, the
-    Whale paper's Algorithm 1, and hardware-aware ZeRO weights) or raises ``InfeasiblePlanError``. Exhaustive
-    over at most 24 combinations.
+    ``host_capacity``); ties go to fewer techniques. ``place(options)`` returns the plan balanced for those
+    options (lane shares within memory, the Whale paper's Algorithm 1, and hardware-aware ZeRO weights) or
+    raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations.
 
     Raises:
         InfeasiblePlanError: no allowed combination fits; names the best one tried and its shortfalls, and
@@ -294,6 +295,9 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
         cost = step_seconds(plan, stages, global_batch, opt, speeds, lane_bandwidth)
         ratio = max(m.device_total / c for m, c in zip(ranks, capacity, strict=True))
         tried.append((cost, _count(opt), opt, plan, ranks, shortfalls(ranks, capacity, host_capacity), ratio))
+    if not tried:
+        raise ValueError(f"{floor.describe()} is not a combination the runtime runs (offload of parameters needs "
+                         "zero=0)")
     tried.sort(key=lambda t: (t[0], t[1], t[2]))
     fits = [t for t in tried if not t[5]]
     if not fits:

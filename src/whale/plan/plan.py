@@ -43,6 +43,8 @@ CaptureName = Literal["fx", "export"]
 CAPTURES: tuple[str, ...] = get_args(CaptureName)
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+OffloadName = Literal["none", "optimizer", "optimizer+params"]
+OFFLOADS: tuple[str, ...] = get_args(OffloadName)
 
 
 class _Checked:
@@ -189,8 +191,12 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
             (:mod:`whale.memory.checkpointing`); none nested in another, none overlapping a split module.
-        predicted_memory: per rank, the planner's predicted peak bytes (parameters, gradients, optimizer state
-            and activations in flight; empty when the model was not profiled).
+        predicted_memory: per rank, the planner's predicted peak device bytes (parameters, gradients, optimizer
+            state unless offloaded, and activations in flight; empty when the model was not profiled).
+        offload: what each rank keeps in host memory with the optimizer step on the host (ZeRO-Offload):
+            ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
+            updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
+            between steps); see :mod:`whale.runtime.offload`.
     """
 
     world_size: int
@@ -216,6 +222,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     precision: PrecisionName = "fp32"
     activation_checkpoint: tuple[str, ...] = ()
     predicted_memory: tuple[float, ...] = ()
+    offload: OffloadName = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -329,5 +336,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "predicted_utilization": _NONNEG, "stage_flops": _NONNEG, "notes": _STRS,
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
            "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
-           "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG},
+           "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG,
+           "offload": _choice(OFFLOADS)},
 }

@@ -141,6 +141,7 @@ def make_plan(
         colocated=colocated,
         zero=config.zero,
         precision=config.precision,
+        offload=config.offload,
     )
 
 

@@ -45,7 +45,8 @@ def _header(plan: Plan) -> str:
         steps = f"{mb} micro-batches (gradient accumulation)" if mb > 1 else "1 micro-batch"
     dtype = "" if plan.precision == "fp32" else \
         f"; {plan.precision} autocast" + " + dynamic loss scaling" * (plan.precision == "fp16")
-    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}{dtype}"
+    host = "" if plan.offload == "none" else f"; offload {plan.offload} to host memory (optimizer step on the host)"
+    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}{dtype}{host}"
 
 
 def _wrapped(prefix: str, names, width: int = 110) -> list[str]:

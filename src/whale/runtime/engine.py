@@ -36,6 +36,7 @@ from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
 from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
+from whale.runtime.offload import host_offload, params_on_device
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.precision import MixedPrecision
 from whale.runtime.rng import RankStreams
@@ -65,6 +66,8 @@ class Engine(GradientUpdate):
         optimizer: the optimizer over this rank's parameters (attach LR schedulers to it); under ZeRO its groups
             hold this lane's slices of the stage's replicated parameters (:mod:`whale.parallel.zero`).
         zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero>=1)``, else ``None``.
+        offload: the :class:`~whale.runtime.offload.HostOffload` under ``Config(offload=...)``, else ``None``
+            (the optimizer's groups then hold host masters).
         stage, lane: this rank's pipeline stage and data-parallel lane.
         last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
 
@@ -117,6 +120,7 @@ class Engine(GradientUpdate):
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
         self.memory = MemoryMonitor.for_rank(self.module, self.optimizer, ctx, plan)  # whale.memory.memory_table
+        self.offload = host_offload(self)  # optimizer state (and parameters) in host memory: runtime/offload.py
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -246,7 +250,7 @@ class Engine(GradientUpdate):
 
     def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
         """The body of :meth:`step` and :meth:`step_local`, its memory measured (:attr:`memory`)."""
-        with self.memory.tracking():
+        with params_on_device(self.offload), self.memory.tracking():
             out = self._update(work, start, samples)
         return out | self.memory.end_step()
 
@@ -301,7 +305,8 @@ class Engine(GradientUpdate):
             r.eval()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
-            result = self.executor.run(forwards, make_work(), train=False)
+            with params_on_device(self.offload):
+                result = self.executor.run(forwards, make_work(), train=False)
         finally:
             for m, training in modes:
                 m.training = training
@@ -360,6 +365,8 @@ class Engine(GradientUpdate):
             CheckpointError: a missing shard or a checkpoint saved under another plan.
         """
         restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
+        if self.offload is not None:
+            self.offload.refresh()  # the host masters from the loaded parameters
         self.steps_done = restored.step
         if self.precision.scaler is not None and restored.loss_scale is not None:
             self.precision.scaler.load_state_dict(restored.loss_scale)

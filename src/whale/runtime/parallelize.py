@@ -71,12 +71,13 @@ def check_plan_fits(plan: Plan, ctx: Context) -> None:
         PlanError: naming both values and the fix.
     """
     cfg = ctx.config
-    fix = ("make the plan with the same settings (whale plan --micro-batches/--schedule/--precision/--cluster) "
-           "or change them")
+    fix = ("make the plan with the same settings (whale plan --micro-batches/--schedule/--precision/--offload/"
+           "--cluster) or change them")
     for what, planned, here in (("world size", plan.world_size, ctx.world_size),
                                 ("num_micro_batch", plan.num_micro_batch, cfg.num_micro_batch),
                                 ("schedule", plan.schedule, cfg.schedule),
-                                ("precision", plan.precision, cfg.precision)):
+                                ("precision", plan.precision, cfg.precision),
+                                ("offload", plan.offload, cfg.offload)):
         if planned != here:
             raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {fix}")
     devices = tuple(d.name for d in ctx.cluster.devices()) if ctx.cluster is not None else ()

@@ -72,7 +72,7 @@ class GradientUpdate:
             scaler.update(skipped)
         norm = self._clip() if self.ctx.config.max_grad_norm and not skipped else None
         if not skipped:
-            self.optimizer.step()
+            (self.offload.step if self.offload is not None else self.optimizer.step)()  # offload: on the host
             if self.zero is not None:
                 self.zero.gather()  # every lane's updated slices to every lane
         self._zero_grad()
