@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--offload", default="none", choices=["none", "optimizer", "optimizer+params"],
       help="keep the AdamW state (each lane's ZeRO slice), fp32 masters and gradients in host memory and step there "
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
+    a("--forbid", default="", metavar="NAMES",
+      help="memory techniques the planner must not add when the plan does not fit the cluster's memory, a comma "
+           "list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -109,6 +112,13 @@ def checkpoint_spec(value: str | None):
     if value is None or value == "all":
         return value
     return tuple(int(v) if v.strip().isdigit() else v.strip() for v in value.split(",") if v.strip())
+
+
+def forbid_spec(value: str) -> tuple[str, ...]:
+    """``--forbid`` as ``Config.forbid``: a tuple of names; ``all`` forbids every technique."""
+    from whale.plan.memory import FORBIDDEN
+
+    return FORBIDDEN if value.strip() == "all" else tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
@@ -296,7 +306,7 @@ def run(argv: list[str] | None = None) -> None:
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
                             cluster=args.cluster, precision=args.precision, zero=args.zero, offload=args.offload,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
-                            track_memory=True if args.track_memory else None))
+                            track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid)))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))

@@ -1,5 +1,5 @@
-"""Hardware-aware analysis: profile the model on fake tensors, cut the pipeline by device speed and memory,
-and build the memory model for the intra-TaskGraph balancer (the Whale paper's §3.3).
+"""Hardware-aware analysis: profile the model on fake tensors and cut the pipeline by device speed and memory
+(the Whale paper's §3.3); :mod:`whale.frontend.memplan` turns the profile into each stage's memory.
 
 Everything here is analysis before any process group is touched; the arithmetic lives in the pure functions
 of :mod:`whale.plan.partition`, :mod:`whale.plan.balance` and :mod:`whale.plan.hardware`.
@@ -15,6 +15,7 @@ from torch import nn
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile, profile_model
+from whale.plan.balance import InfeasiblePlanError
 from whale.plan.hardware import apply_hardware
 from whale.plan.partition import partition_layers
 from whale.plan.plan import Plan, StageCut
@@ -84,8 +85,8 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     device of the narrowest stage (activation bytes are counted at that many rows on every stage: an upper
     bound for the wider ones).
 
-    Raises:
-        InfeasiblePlanError: no contiguous cut fits the stages' memory.
+    When no cut fits the devices' memory without memory techniques, the cut minimizes the slowest stage alone
+    and :mod:`whale.plan.memory` then adds checkpointing, ZeRO or offload (or says nothing fits).
     """
     layout = apply_hardware(layout, cluster)
     speeds, caps = _stage_speeds(layout, cluster)
@@ -97,7 +98,10 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     act = [u.activation_bytes * mb_rows for u in units]
     s_count, m = layout.num_stages, config.num_micro_batch
     in_flight = [in_flight_micro_batches(s, s_count, m, config.schedule) for s in range(s_count)]
-    counts = partition_layers(flops, static, speeds, caps, act, in_flight)
+    try:
+        counts = partition_layers(flops, static, speeds, caps, act, in_flight)
+    except InfeasiblePlanError:  # no cut fits as is: cut by speed; the memory planner adds what makes it fit
+        counts = partition_layers(flops, static, speeds, [float("inf")] * len(caps), act, in_flight)
     stage_of: dict[str, int] = {}
     names: list[list[str]] = []
     start = 0
