@@ -23,15 +23,15 @@ option                    parameters  gradients          optimizer state  host
 ========================  ==========  =================  ===============  ==================
 none                      4E          4E                 8E               0
 ZeRO-1                    4E          4E                 8fE              0
-ZeRO-2                    4E          4E (see below)     8fE              0
+ZeRO-2                    4E          4E + 4fE (below)   8fE              0
 ZeRO-3                    4fE + 8U    4fE + 8U           8fE              0
 offload optimizer         as above    as above           0                (4 + 4 + 8)·fE
 offload optimizer+params  4E          4E                 0                (4 + 4 + 8)·E
 ========================  ==========  =================  ===============  ==================
 
 ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (gradient accumulation keeps whole
-gradients until then, :mod:`whale.parallel.zero`): its *peak* is ZeRO-1's; it saves memory between steps and
-during the optimizer step. ZeRO-3 holds two layers gathered at once (the one running and the next). The
+gradients until then, :mod:`whale.parallel.zero`) into the lane's persistent slice: its *peak* holds both (it
+saves memory between steps and during the optimizer step, not at the peak). ZeRO-3 holds two layers gathered at once (the one running and the next). The
 offloaded host keeps fp32 masters, gradient copies and the optimizer state of the lane's slice
 (:mod:`whale.runtime.offload`); ``"optimizer+params"`` (``zero=0`` only) also keeps the parameters on the host
 between steps, but brings the whole stage to the device for the step, so it does not lower the step's peak.
@@ -140,7 +140,7 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
     f = share if options.zero else 1.0
     window = 8.0 * min(u, e)  # two layers' parameters (or gradients) gathered at once
     params = 4 * f * e + window if options.zero == 3 else 4 * e
-    grads = 4 * f * e + window if options.zero == 3 else 4 * e
+    grads = {3: 4 * f * e + window, 2: 4 * e + 4 * f * e}.get(options.zero, 4 * e)
     host = 0.0
     if options.offload == "none":
         optim = 8 * f * e
