@@ -93,7 +93,7 @@ def test_zero_fields_round_trip_through_json():
     assert whole_shares(10, (3.0, 1.0)) == [8, 2] and whole_shares(5, (0.0, 1.0, 1.0)) == [0, 3, 2]
 
 
-@pytest.mark.parametrize("zero,match", [(3, "ZeRO-3"), (4, "not a ZeRO stage"), (True, "not a ZeRO stage"),
+@pytest.mark.parametrize("zero,match", [(4, "not a ZeRO stage"), (True, "not a ZeRO stage"),
                                         (-1, "not a ZeRO stage"), ("1", "not a ZeRO stage")])
 def test_bad_zero_config_is_refused(zero, match):
     with pytest.raises(ConfigError, match=match):
@@ -101,7 +101,7 @@ def test_bad_zero_config_is_refused(zero, match):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"zero": 3}, "ZeRO-3 is not implemented"),
+    ({"zero": 4}, "not a ZeRO stage"),
     ({"zero": 0, "zero_weights": ((1.0, 1.0), (1.0, 1.0))}, "shards nothing"),
     ({"zero_weights": ((1.0, 1.0),)}, "one list per stage"),
     ({"zero_weights": ((1.0, 1.0, 1.0), (1.0, 1.0))}, "one per lane"),

@@ -92,6 +92,10 @@ class MemoryMonitor:
         for p in self.module.parameters():
             tr.label(p, "parameters")
             tr.label(p.grad, "gradients")
+        for group in self.optimizer.param_groups:  # ZeRO's pieces: views of shards the module does not hold
+            for p in group["params"]:
+                tr.label(p, "parameters")
+                tr.label(p.grad, "gradients")
         for b in self.module.buffers():
             tr.label(b, "buffers")
         for state in self.optimizer.state.values():

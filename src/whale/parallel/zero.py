@@ -38,6 +38,7 @@ groups), and DeepSpeed's ZeRO refuses pipelines for stage 2; here every pipeline
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -112,6 +113,21 @@ class _Works:
             w.wait()
 
 
+def bind_pieces(optimizer: torch.optim.Optimizer, pieces: list[_Piece], managed: set[int]) -> None:
+    """Re-point the optimizer's param groups at ``pieces`` in place: each parameter whose ``id`` is in
+    ``managed`` is replaced by its pieces on this rank (none: it leaves its group); others stay.
+
+    Raises:
+        ZeroError: the optimizer is not elementwise.
+    """
+    check_optimizer(optimizer)
+    of: dict[int, list[nn.Parameter]] = {}
+    for pc in pieces:
+        of.setdefault(id(pc.owner), []).append(pc.param)
+    for group in optimizer.param_groups:
+        group["params"] = [q for p in group["params"] for q in (of.get(id(p), []) if id(p) in managed else [p])]
+
+
 class ZeroShards:
     """This rank's slices of a stage's replicated parameters, gradients (stage 2) and optimizer state.
 
@@ -166,13 +182,14 @@ class ZeroShards:
         Raises:
             ZeroError: the optimizer is not elementwise.
         """
-        check_optimizer(optimizer)
-        of: dict[int, list[nn.Parameter]] = {}
-        for pc in self.pieces:
-            of.setdefault(id(pc.owner), []).append(pc.param)
-        for group in optimizer.param_groups:
-            group["params"] = [q for p in group["params"]
-                               for q in (of.get(id(p), []) if id(p) in self.managed else [p])]
+        bind_pieces(optimizer, self.pieces, self.managed)
+
+    def release(self) -> None:
+        """Nothing to free (ZeRO-1/2 keep whole parameters; ZeRO-3 frees its gathered units here)."""
+
+    def whole(self, write_back: bool = False):
+        """A context in which every parameter is whole: always, under ZeRO-1/2 (``write_back`` is unused)."""
+        return contextlib.nullcontext()
 
     def owns(self, b: _Bucket) -> bool:
         """True when ``b`` is one of the buckets sharded here."""
@@ -279,13 +296,14 @@ class ShardedGradSync(GradSync):
 
 
 def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
-                    bucket_cap_mb: float) -> tuple[GradSync, ZeroShards | None]:
+                    bucket_cap_mb: float, module: nn.Module | None = None) -> tuple[GradSync, ZeroShards | None]:
     """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
     re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
     stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
     rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
     parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
-    split shards are never sharded again. No shards where no group has several ranks.
+    split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
+    :func:`whale.parallel.zero3.build_zero3` over the stage ``module`` instead.
 
     Raises:
         ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
@@ -293,6 +311,10 @@ def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: li
     if not plan.zero:
         return GradSync(param_groups, bucket_cap_mb), None
     check_optimizer(optimizer)
+    if plan.zero >= 3:
+        from whale.parallel.zero3 import build_zero3  # noqa: PLC0415 - zero3 builds on this module
+
+        return build_zero3(plan, param_groups, lanes_group, optimizer, bucket_cap_mb, module)
     sync = ShardedGradSync(param_groups, bucket_cap_mb)
     own = {id(p) for p in param_groups[0][1]}
     buckets, weights = [], []

@@ -12,9 +12,9 @@ class PlanChecks:
     """Cross-field checks of a :class:`~whale.plan.plan.Plan` (see the module docstring)."""
 
     def _validate_zero(self) -> None:
-        if self.zero > 2:
-            _fail("zero", self.zero, "is not a ZeRO stage Whale runs (ZeRO-3 is not implemented)",
-                  "use 0, 1 (optimizer state sharded) or 2 (also gradients)")
+        if self.zero > 3:
+            _fail("zero", self.zero, "is not a ZeRO stage",
+                  "use 0, 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)")
         if self.zero_weights and not self.zero:
             _fail("zero_weights", [list(w) for w in self.zero_weights], "shards nothing while zero = 0",
                   "set zero >= 1 or leave zero_weights []")

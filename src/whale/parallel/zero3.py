@@ -1,0 +1,399 @@
+"""ZeRO stage 3 over one pipeline stage's data-parallel lanes: parameters sharded, each *unit* gathered before
+its forward and its backward and freed after, with uneven, hardware-aware shards (Rajbhandari et al., "ZeRO",
+SC 2020; ZeRO-1/2 and the shard sizes: :mod:`whale.parallel.zero`, :mod:`whale.plan.zero`).
+
+Units (what is gathered at once). Without a pipeline the stage module is the user's model: every repeated layer
+(each child of a ``ModuleList``/``Sequential`` that holds parameters, e.g. every transformer block:
+:func:`whale.memory.checkpointing.repeated_layers`; else every top-level child with parameters) is a unit, and
+the rest (embeddings, final norm, a head, parameters used by several units, e.g. an input embedding tied to the
+head) form the *root* unit of the stage module. A pipeline stage is a traced graph that reads parameters
+directly, not through module calls, so there the whole stage module is one unit.
+Each unit's parameters (the stage's replicated ones: not split shards, already cut, and not parameters tied
+across stages, which stay whole and are summed over their tie group as without ZeRO) become views of one flat
+buffer of ``N`` elements; lane ``g`` of the stage owns elements ``bounds[g]:bounds[g + 1]`` (
+:func:`~whale.plan.zero.whole_shares` of the plan's ``zero_weights``: sized by free device memory) and keeps
+them in its own *shard*; the full buffer's storage exists only while the unit is gathered
+(``untyped_storage().resize_``, so autograd's saved references to the parameters see the data again in
+backward).
+
+Per micro-batch (so 1F1B with several micro-batches in flight works: each forward and each backward gathers
+again): a forward pre-hook gathers the unit, a forward hook frees it (the root stays gathered from its forward
+to its backward, as FSDP2's root, except in a pipeline, where other micro-batches run in between) and hooks
+the outputs; the first gradient reaching an output gathers the unit again and attaches a zeroed full-size
+gradient buffer; when every parameter of the unit that requires grad has accumulated (or, for a parameter no
+path reached, at the end of that backward) the buffer is reduce-scattered into the lane's shard gradient
+(summed over micro-batches) and the unit freed; the previous reduce-scatter is waited for then, so at most two
+full-size gradient buffers exist. After the step's last backward one all-reduce of "used" flags makes every
+piece of a parameter no lane used end with ``.grad = None`` (as in one process). The optimizer steps this
+lane's *pieces* (views of its shard; the user's param groups and schedulers kept, as under ZeRO-1/2); nothing
+is broadcast after the step: the next forward gathers.
+
+Collectives: with equal shares one ``all_gather_single`` / ``reduce_scatter_single`` per unit; with uneven
+shares gloo's all-gather refuses different sizes, so each lane broadcasts its range in place into the flat
+buffer (no padding, no copy afterwards; an all-gather into padded buffers would need a copy out of the
+padding) and gradients go through the list form of ``reduce_scatter`` (uneven slices, gloo and NCCL).
+
+Why Whale's own code and not FSDP2 (``fully_shard``): FSDP2 shards every parameter evenly on dim 0
+(``Shard(0)`` DTensors, padded to equal chunks); it cannot give a 32 GB device a larger slice than a 16 GB one,
+which is the point of hardware-aware sharding; it also replaces parameters by DTensors, which Whale's split
+regions, pipeline stages (traced graphs) and gradient bookkeeping do not expect.
+
+Limits: every lane must call the same units in the same order (same control flow), as for any ZeRO-3; a
+unit's parameter must only be read inside that unit's forward (or be left to the root); one dtype per unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from whale.memory.checkpointing import repeated_layers
+from whale.parallel.data import GradSync
+from whale.parallel.zero import _Piece, bind_pieces
+from whale.plan.plan import Plan
+from whale.plan.zero import whole_shares, zero_shard_weights
+
+
+class Zero3Error(ValueError):
+    """A stage ZeRO-3 cannot shard as asked; the message names the unit and the fix."""
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One gathered-at-once group of parameters (see the module docstring)."""
+
+    name: str
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # N elements; storage resized to 0 while freed
+    shard: torch.Tensor  # this lane's range, own storage
+    shard_grad: torch.Tensor
+    bounds: list[int]
+    keep: bool  # stays gathered from forward to backward (the root outside pipelines)
+    used: torch.Tensor  # per parameter: got a gradient on this lane this step
+    even: bool = False  # equal ranges: one all-gather / reduce-scatter instead of per-lane calls
+    gathered: bool = False
+    grad_flat: torch.Tensor | None = None
+    arrived: set[int] = field(default_factory=set)
+    expected: int = 0
+
+
+def find_units(module: nn.Module, pipeline: bool) -> list[tuple[str, nn.Module]]:
+    """The units of a stage module other than its root: ``[(fqn, module)]`` (none in a pipeline stage)."""
+    if pipeline:
+        return []
+    names = repeated_layers(module) or [n for n, c in module.named_children() if next(c.parameters(), None)
+                                        is not None and not isinstance(c, nn.ModuleList | nn.ModuleDict)]
+    return [(n, module.get_submodule(n)) for n in names]
+
+
+class Zero3Shards:
+    """This lane's shards of a stage's parameters, gradients and optimizer state, with the hooks that gather
+    and free each unit (see the module docstring).
+
+    Args:
+        module: the stage module (hooks are installed on it and on its units).
+        params: the parameters to shard (the stage's replicated ones), each in one unit.
+        group: the stage's data-parallel lanes (a process group of at least 2 ranks).
+        weights: the relative share of each lane (group rank order; >= 0, positive sum).
+        pipeline: the stage is a pipeline stage (one unit; the root freed after each forward).
+
+    Attributes:
+        pieces: this lane's parts of parameters (the optimizer's parameters in place of the whole ones).
+        units: the units, root last.
+        tracker: ``None`` or a :class:`whale.memory.tracker.StorageTracker` told of every gather and free.
+
+    Raises:
+        Zero3Error: a unit whose parameters mix dtypes or devices.
+    """
+
+    level = 3
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], group, weights: list[float],
+                 pipeline: bool) -> None:
+        self.group, self.tracker = group, None
+        self.me = dist.get_rank(group)
+        self.sources = [dist.get_global_rank(group, g) for g in range(len(weights))]
+        self.weights = list(weights)
+        managed = {id(p): p for p in params}
+        self.managed = set(managed)
+        self.units: list[_Unit] = []
+        self.pieces: list[_Piece] = []
+        taken: dict[int, int] = {}
+        found = find_units(module, pipeline)
+        for _, m in found:
+            for p in {id(q): q for q in m.parameters()}.values():
+                taken[id(p)] = taken.get(id(p), 0) + 1
+        self._handles = []
+        for name, m in found:
+            own = [p for p in {id(q): q for q in m.parameters()}.values() if id(p) in managed and taken[id(p)] == 1]
+            self._add(name, m, own, keep=False)
+        rest = [p for p in managed.values() if taken.get(id(p), 0) != 1]
+        self._add("<root>", module, rest, keep=not pipeline)
+        self._index = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._pending: list[tuple] = []
+        self._callback_task = None
+        self._grad_hooks: dict[int, object] = {}
+
+    # --- building ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _add(self, name: str, module: nn.Module, params: list[nn.Parameter], keep: bool) -> None:
+        """Flatten ``params`` into a new unit gathered around ``module``'s calls."""
+        if not params:
+            return
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            kinds = sorted({f"{p.dtype}@{p.device}" for p in params})
+            raise Zero3Error(f"ZeRO-3 unit {name!r} mixes parameter dtypes/devices {kinds}; give the module's "
+                             "parameters one dtype and device, or use Config(zero=2)")
+        numel = sum(p.numel() for p in params)
+        b = [0, *itertools.accumulate(whole_shares(numel, self.weights))]
+        flat = params[0].new_empty(numel)
+        offset = 0
+        for p in params:
+            view = flat[offset: offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+        a, z = b[self.me], b[self.me + 1]
+        unit = _Unit(name, params, flat, flat[a:z].clone(), flat.new_zeros(z - a), b, keep,
+                     torch.zeros(len(params), dtype=torch.bool), even=len({y - x for x, y in itertools.pairwise(b)}) == 1)
+        offset = 0
+        for i, p in enumerate(params):
+            lo, hi = max(a, offset), min(z, offset + p.numel())
+            if lo < hi:
+                self.pieces.append(_Piece(nn.Parameter(unit.shard[lo - a: hi - a]), p, len(self.units), i, lo, hi))
+            offset += p.numel()
+        self.units.append(unit)
+        self._free(unit)
+        self._handles += [module.register_forward_pre_hook(lambda m, args, u=unit: self._gather(u)),
+                          module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))]
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Re-point the optimizer's param groups at this lane's pieces (see :func:`whale.parallel.zero.
+        bind_pieces`).
+
+        Raises:
+            ZeroError: the optimizer is not elementwise.
+        """
+        bind_pieces(optimizer, self.pieces, self.managed)
+
+    # --- gathering and freeing -------------------------------------------------------------------------------
+    def _resized(self, unit: _Unit, numel: int) -> None:
+        unit.flat.untyped_storage().resize_(numel * unit.flat.element_size())
+        if self.tracker is not None:
+            self.tracker.label(unit.flat, "parameters")
+
+    @torch.no_grad()
+    def _gather(self, unit: _Unit) -> None:
+        """Make ``unit``'s parameters whole (collective over the lanes; a no-op when gathered)."""
+        if unit.gathered:
+            return
+        self._resized(unit, unit.flat.numel())
+        b = unit.bounds
+        if unit.even:
+            dist.all_gather_single(unit.flat, unit.shard, group=self.group)
+        else:
+            unit.flat[b[self.me]: b[self.me + 1]].copy_(unit.shard)
+            works = [dist.broadcast(unit.shard if g == self.me else unit.flat[b[g]: b[g + 1]], src=src,
+                                    group=self.group, async_op=True)
+                     for g, src in enumerate(self.sources) if b[g] < b[g + 1]]
+            for w in works:
+                w.wait()
+        unit.gathered = True
+
+    def _free(self, unit: _Unit) -> None:
+        self._resized(unit, 0)
+        unit.gathered = False
+
+    def _post_forward(self, unit: _Unit, out) -> None:
+        """After the unit's forward: hook its outputs (gather again before their backward) and free it. Inside
+        backward (a checkpointed recompute) the unit stays gathered for the backward under way."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if torch.is_grad_enabled():
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, unit))
+        if not unit.keep:
+            self._free(unit)
+
+    def _pre_backward(self, unit: _Unit, grad=None) -> None:
+        """The first gradient of one of the unit's outputs: gather it, attach a zeroed full gradient buffer."""
+        if unit.grad_flat is not None:
+            return
+        self._gather(unit)
+        unit.grad_flat = unit.flat.new_zeros(unit.flat.numel())
+        offset = 0
+        for p in unit.params:
+            if p.requires_grad:
+                p.grad = unit.grad_flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        unit.arrived.clear()
+        unit.expected = sum(p.requires_grad for p in unit.params)
+        task = torch._C._current_graph_task_id()
+        if self._callback_task != task:
+            self._callback_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit, i = self._index[id(p)]
+        unit.used[i] = True
+        if unit.grad_flat is None:
+            raise Zero3Error(f"ZeRO-3: a gradient reached a parameter of unit {unit.name!r} outside that unit's "
+                             "backward (the parameter is read outside the unit's forward); call the module "
+                             "instead of reading its parameters, or use Config(zero=2)")
+        unit.arrived.add(i)
+        if len(unit.arrived) == unit.expected:
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: _Unit) -> None:
+        """Start reduce-scattering the unit's gradients into the lanes' shards, free it; finish the previous."""
+        for p in unit.params:
+            p.grad = None
+        b, full = unit.bounds, unit.grad_flat
+        out = full.new_empty(b[self.me + 1] - b[self.me])
+        if unit.even:
+            work = dist.reduce_scatter_single(out, full, group=self.group, async_op=True)
+        else:
+            parts = [full[b[g]: b[g + 1]] for g in range(len(self.sources))]
+            work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
+        unit.grad_flat = None
+        self._free(unit)
+        self._drain(keep=0)
+        self._pending.append((unit, out, work, full))
+
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for all but the ``keep`` latest reduce-scatters and add them to the shard gradients."""
+        while len(self._pending) > keep:
+            unit, out, work, _ = self._pending.pop(0)
+            work.wait()
+            unit.shard_grad.add_(out)
+
+    def _end_backward(self) -> None:
+        """End of a backward: reduce the units some parameter of which got no gradient, in unit order."""
+        self._callback_task = None
+        for unit in self.units:
+            if unit.grad_flat is not None:
+                self._post_backward(unit)
+        self._drain()
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Before a step's first backward: hook every parameter that requires grad now."""
+        for unit in self.units:
+            for p in unit.params:
+                if p.requires_grad and id(p) not in self._grad_hooks:
+                    self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def finish(self) -> None:
+        """After the step's last backward: the pieces get their summed gradients, ``None`` where no lane used
+        the parameter (one all-reduce of the used flags over the lanes)."""
+        self._drain()
+        flags = torch.cat([u.used for u in self.units]).to(torch.float32)
+        dist.all_reduce(flags, group=self.group)
+        starts = [0, *itertools.accumulate(len(u.params) for u in self.units)]
+        for pc in self.pieces:
+            unit = self.units[pc.bucket]
+            a = unit.bounds[self.me]
+            used = flags[starts[pc.bucket] + pc.index] > 0
+            pc.param.grad = unit.shard_grad[pc.lo - a: pc.hi - a] if used else None
+        self.release()
+
+    def zero_grad(self) -> None:
+        """After the optimizer step: zero the shard gradients and the used flags; drop the pieces' gradients."""
+        for unit in self.units:
+            unit.shard_grad.zero_()
+            unit.used.zero_()
+        for pc in self.pieces:
+            pc.param.grad = None
+
+    def gather(self) -> None:
+        """After ``optimizer.step()``: nothing (the next forward gathers each unit from the updated shards)."""
+
+    def release(self) -> None:
+        """Free every unit still gathered (the root after an eval forward)."""
+        for unit in self.units:
+            if unit.gathered:
+                self._free(unit)
+
+    @contextlib.contextmanager
+    def whole(self, write_back: bool = False):
+        """Every unit gathered inside (collective over the lanes); with ``write_back`` the lane's ranges are
+        copied back into its shards at the end (after loading a state dict into the whole parameters)."""
+        for unit in self.units:
+            self._gather(unit)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if write_back:
+                    unit.shard.copy_(unit.flat[unit.bounds[self.me]: unit.bounds[self.me + 1]])
+                self._free(unit)
+
+    def norm_params(self, owners: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The tensors whose gradients this rank adds to the global norm: ``owners`` less the sharded
+        parameters, plus this lane's pieces (each element counted once over the lanes)."""
+        return [p for p in owners if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+
+    def clip_targets(self, params) -> list[nn.Parameter]:
+        """The tensors whose gradients clipping (and fp16 unscaling) scales: ``params`` and the pieces."""
+        return [p for p in params if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in [*self._handles, *self._grad_hooks.values()]:
+            h.remove()
+        self._handles, self._grad_hooks = [], {}
+
+
+class Zero3GradSync(GradSync):
+    """:class:`~whale.parallel.data.GradSync` for the parameters ZeRO-3 leaves whole (split shards, ties
+    across stages), driving :attr:`zero` at the step's start, end and zeroing."""
+
+    zero: Zero3Shards
+
+    def start_step(self) -> None:
+        """As :meth:`GradSync.start_step`, and ZeRO-3's gradient hooks."""
+        super().start_step()
+        if getattr(self, "zero", None) is not None:
+            self.zero.start_step()
+
+    def finish(self) -> None:
+        """As :meth:`GradSync.finish`, then the pieces' gradients."""
+        super().finish()
+        self.zero.finish()
+
+    def zero_grad(self) -> None:
+        """As :meth:`GradSync.zero_grad`, and the shard gradients."""
+        super().zero_grad()
+        self.zero.zero_grad()
+
+
+def build_zero3(plan: Plan, param_groups: list, lanes_group, optimizer, bucket_cap_mb: float,
+                module: nn.Module) -> tuple[GradSync, Zero3Shards | None]:
+    """The stage's gradient reduction with ZeRO-3 over its lanes: the lanes entry of ``param_groups``
+    (:func:`whale.runtime.groups.sync_sets`, first) is sharded (shares: the stage's ``zero_weights``), the
+    other entries reduced by a :class:`~whale.parallel.data.GradSync`; the optimizer's groups re-pointed at
+    this lane's pieces. Plain :class:`GradSync` and no shards where the stage has one lane.
+
+    Raises:
+        ZeroError: an optimizer that is not elementwise.
+        Zero3Error: a unit whose parameters mix dtypes or devices.
+    """
+    if lanes_group is None or dist.get_world_size(lanes_group) < 2 or not param_groups[0][1]:
+        return GradSync(param_groups, bucket_cap_mb), None
+    stage = plan.coords(dist.get_rank())[0]
+    lane_weights = zero_shard_weights(plan, stage)
+    weights = [lane_weights[plan.coords(dist.get_global_rank(lanes_group, g))[1]]
+               for g in range(dist.get_world_size(lanes_group))]
+    sync = Zero3GradSync(param_groups[1:], bucket_cap_mb)
+    sync.zero = Zero3Shards(module, param_groups[0][1], lanes_group, weights, plan.is_pipeline)
+    sync.zero.start_step()
+    sync.zero.bind(optimizer)
+    return sync, sync.zero
