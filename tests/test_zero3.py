@@ -32,7 +32,8 @@ class UnusedLM(TinyLM):
 
 def _make(world, spec):
     cfg = wh.Config(num_micro_batch=2, zero=3, max_grad_norm=CLIP, cluster=spec.get("cluster"),
-                    precision=spec.get("precision", "fp32"), track_memory=True)
+                    precision=spec.get("precision", "fp32"), track_memory=True,
+                    activation_checkpoint=spec.get("checkpoint"))
     ctx = wh.init(cfg)
     torch.manual_seed(0)
     model = (UnusedLM if spec.get("unused") else TinyLM)(stage_layers=spec["layers"])
@@ -65,7 +66,9 @@ def _equivalence(rank, world, spec):
                 torch.testing.assert_close(t, ref_params[name].detach(), rtol=RTOL, atol=ATOL,
                                            msg=lambda m, n=name: f"{n}: {m}")
     zero = engine.zero
-    stage_numel = sum(p.numel() for p in engine.module.parameters())
+    assert all(p.numel() == 0 for u in zero.units for p in u.params)  # freed between steps
+    with zero.whole():  # collective: every lane gathers every unit
+        stage_numel = sum(p.numel() for p in engine.module.parameters())
     return {"stage": engine.stage, "lane": engine.lane, "lrs": [g["lr"] for g in opt.param_groups],
             "weights": engine.plan.zero_weights[engine.stage] if engine.plan.zero_weights else None,
             "piece_numel": sum(pc.param.numel() for pc in zero.pieces),
@@ -74,13 +77,13 @@ def _equivalence(rank, world, spec):
 
 
 CASES = [
-    (2, {"layers": (2,), "weights": ((3.0, 1.0),), "unused": True}),
+    (2, {"layers": (2,), "weights": ((3.0, 1.0),), "unused": True, "checkpoint": "all"}),
     (4, {"layers": (1, 1), "weights": ((1.0, 3.0), (2.0, 1.0))}),
     (4, {"layers": (2,), "cluster": "examples/clusters/v100_p100.yaml"}),
 ]
 
 
-@pytest.mark.parametrize("world,spec", CASES, ids=["w2-uneven-unused", "w4-pp2x2-uneven", "w4-cluster"])
+@pytest.mark.parametrize("world,spec", CASES, ids=["w2-uneven-unused-recompute", "w4-pp2x2-uneven", "w4-cluster"])
 def test_zero3_matches_one_process(world, spec):
     results = run_ranks(_equivalence, world, spec, timeout=90)
     for r in results:
@@ -100,3 +103,50 @@ def test_zero3_matches_one_process(world, spec):
         assert results[0]["units"] == ["blocks.0", "blocks.1", "<root>"]
     if "cluster" in spec:
         assert all(r["weights"][0] > 1.5 * r["weights"][-1] for r in results)
+
+
+# --- bf16 autocast composes; checkpoints resume exactly ------------------------------------------------------
+def _bf16(rank, world):
+    engine, ref, _ = _make(world, {"layers": (2,), "weights": ((1.0, 2.0),), "precision": "bf16"})
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-3)
+    losses, ref_losses = [], []
+    for x, y in _batches(3):
+        losses.append(engine.step((x, y))["loss"])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = ref(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        ref_opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0)
+    full = engine.full_state_dict()  # bf16 tolerance as in test_precision
+    for name, p in ref.named_parameters():
+        if rank == 0:
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-2, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    return losses
+
+
+def test_zero3_bf16_matches_one_process_autocast():
+    run_ranks(_bf16, 2, timeout=60)
+
+
+def _resume(rank, world, path):
+    spec = {"layers": (2,), "weights": ((3.0, 1.0),)}
+    engine, _, _ = _make(world, spec)
+    batches = _batches(4)
+    for batch in batches[:2]:
+        engine.step(batch)
+    engine.save_checkpoint(path)
+    after = [engine.step(b)["loss"] for b in batches[2:]]
+    fresh, _, _ = _make(world, spec)
+    fresh.load_checkpoint(path)
+    again = [fresh.step(b)["loss"] for b in batches[2:]]
+    return after, again, engine.state_dict()["model"], fresh.state_dict()["model"]
+
+
+def test_zero3_checkpoint_resumes_exactly(tmp_path):
+    for after, again, model, fresh in run_ranks(_resume, 2, str(tmp_path), timeout=60):
+        assert after == again
+        assert model.keys() == fresh.keys() and all(torch.equal(model[k], fresh[k]) for k in model)

@@ -71,6 +71,7 @@ class _Unit:
 
     name: str
     params: list[nn.Parameter]
+    views: list[torch.Tensor]  # each parameter's view of ``flat`` (its ``.data`` while gathered)
     flat: torch.Tensor  # N elements; storage resized to 0 while freed
     shard: torch.Tensor  # this lane's range, own storage
     shard_grad: torch.Tensor
@@ -154,14 +155,13 @@ class Zero3Shards:
         numel = sum(p.numel() for p in params)
         b = [0, *itertools.accumulate(whole_shares(numel, self.weights))]
         flat = params[0].new_empty(numel)
-        offset = 0
+        views, offset = [], 0
         for p in params:
-            view = flat[offset: offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
+            views.append(flat[offset: offset + p.numel()].view_as(p))
+            views[-1].copy_(p.detach())
             offset += p.numel()
         a, z = b[self.me], b[self.me + 1]
-        unit = _Unit(name, params, flat, flat[a:z].clone(), flat.new_zeros(z - a), b, keep,
+        unit = _Unit(name, params, views, flat, flat[a:z].clone(), flat.new_zeros(z - a), b, keep,
                      torch.zeros(len(params), dtype=torch.bool), even=len({y - x for x, y in itertools.pairwise(b)}) == 1)
         offset = 0
         for i, p in enumerate(params):
@@ -205,10 +205,17 @@ class Zero3Shards:
                      for g, src in enumerate(self.sources) if b[g] < b[g + 1]]
             for w in works:
                 w.wait()
+        for p, view in zip(unit.params, unit.views, strict=True):
+            p.data = view
         unit.gathered = True
 
     def _free(self, unit: _Unit) -> None:
+        """Free the unit's full buffer; its parameters become empty tensors (shape ``[0]``: reading a freed
+        parameter fails on its shape instead of touching freed memory)."""
         self._resized(unit, 0)
+        empty = unit.flat.new_empty(0)
+        for p in unit.params:
+            p.data = empty
         unit.gathered = False
 
     def _post_forward(self, unit: _Unit, out) -> None:
