@@ -19,11 +19,12 @@ backward).
 Per micro-batch (so 1F1B with several micro-batches in flight works: each forward and each backward gathers
 again): a forward pre-hook gathers the unit, a forward hook frees it (the root stays gathered from its forward
 to its backward, as FSDP2's root, except in a pipeline, where other micro-batches run in between) and hooks
-the outputs; the first gradient reaching an output gathers the unit again and attaches a zeroed full-size
-gradient buffer; when every parameter of the unit that requires grad has accumulated (or, for a parameter no
-path reached, at the end of that backward) the buffer is reduce-scattered into the lane's shard gradient
-(summed over micro-batches) and the unit freed; the previous reduce-scatter is waited for then, so at most two
-full-size gradient buffers exist. After the step's last backward one all-reduce of "used" flags makes every
+the outputs; the first gradient reaching an output gathers the unit again; when every parameter of the unit
+that requires grad has its gradient (or, for a parameter no path reached, at the end of that backward) the
+gradients autograd made are copied into one flat buffer (as FSDP2 does: a buffer allocated up front would
+hold a unit's whole gradient while its first parameter's gradient is still being made, e.g. the tied head's),
+which is reduce-scattered into the lane's shard gradient (summed over micro-batches), and the unit is freed;
+the previous reduce-scatter is waited for then, so at most two flat gradient buffers exist. After the step's last backward one all-reduce of "used" flags makes every
 piece of a parameter no lane used end with ``.grad = None`` (as in one process). The optimizer steps this
 lane's *pieces* (views of its shard; the user's param groups and schedulers kept, as under ZeRO-1/2); nothing
 is broadcast after the step: the next forward gathers.
@@ -80,7 +81,7 @@ class _Unit:
     used: torch.Tensor  # per parameter: got a gradient on this lane this step
     even: bool = False  # equal ranges: one all-gather / reduce-scatter instead of per-lane calls
     gathered: bool = False
-    grad_flat: torch.Tensor | None = None
+    active: bool = False  # inside this unit's backward (gathered, gradients arriving)
     arrived: set[int] = field(default_factory=set)
     expected: int = 0
 
@@ -231,16 +232,11 @@ class Zero3Shards:
             self._free(unit)
 
     def _pre_backward(self, unit: _Unit, grad=None) -> None:
-        """The first gradient of one of the unit's outputs: gather it, attach a zeroed full gradient buffer."""
-        if unit.grad_flat is not None:
+        """The first gradient of one of the unit's outputs: gather the unit for its backward."""
+        if unit.active:
             return
         self._gather(unit)
-        unit.grad_flat = unit.flat.new_zeros(unit.flat.numel())
-        offset = 0
-        for p in unit.params:
-            if p.requires_grad:
-                p.grad = unit.grad_flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
+        unit.active = True
         unit.arrived.clear()
         unit.expected = sum(p.requires_grad for p in unit.params)
         task = torch._C._current_graph_task_id()
@@ -251,7 +247,7 @@ class Zero3Shards:
     def _on_grad(self, p: nn.Parameter) -> None:
         unit, i = self._index[id(p)]
         unit.used[i] = True
-        if unit.grad_flat is None:
+        if not unit.active:
             raise Zero3Error(f"ZeRO-3: a gradient reached a parameter of unit {unit.name!r} outside that unit's "
                              "backward (the parameter is read outside the unit's forward); call the module "
                              "instead of reading its parameters, or use Config(zero=2)")
@@ -260,17 +256,19 @@ class Zero3Shards:
             self._post_backward(unit)
 
     def _post_backward(self, unit: _Unit) -> None:
-        """Start reduce-scattering the unit's gradients into the lanes' shards, free it; finish the previous."""
+        """Start reduce-scattering the unit's gradients (made by autograd, copied into one flat buffer) into the
+        lanes' shards, free the unit; finish the previous reduce-scatter."""
+        b = unit.bounds
+        full = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.params])
         for p in unit.params:
             p.grad = None
-        b, full = unit.bounds, unit.grad_flat
         out = full.new_empty(b[self.me + 1] - b[self.me])
         if unit.even:
             work = dist.reduce_scatter_single(out, full, group=self.group, async_op=True)
         else:
             parts = [full[b[g]: b[g + 1]] for g in range(len(self.sources))]
             work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
-        unit.grad_flat = None
+        unit.active = False
         self._free(unit)
         self._drain(keep=0)
         self._pending.append((unit, out, work, full))
@@ -286,7 +284,7 @@ class Zero3Shards:
         """End of a backward: reduce the units some parameter of which got no gradient, in unit order."""
         self._callback_task = None
         for unit in self.units:
-            if unit.grad_flat is not None:
+            if unit.active:
                 self._post_backward(unit)
         self._drain()
 
@@ -313,12 +311,14 @@ class Zero3Shards:
         self.release()
 
     def zero_grad(self) -> None:
-        """After the optimizer step: zero the shard gradients and the used flags; drop the pieces' gradients."""
+        """After the optimizer step: zero the shard gradients (the pieces' gradients, until :meth:`finish` drops
+        those of parameters no lane used) and the used flags."""
         for unit in self.units:
             unit.shard_grad.zero_()
             unit.used.zero_()
-        for pc in self.pieces:
-            pc.param.grad = None
+        for pc in self.pieces:  # the zeroed shard gradients stay visible (to the memory monitor)
+            a = self.units[pc.bucket].bounds[self.me]
+            pc.param.grad = self.units[pc.bucket].shard_grad[pc.lo - a: pc.hi - a]
 
     def gather(self) -> None:
         """After ``optimizer.step()``: nothing (the next forward gathers each unit from the updated shards)."""
