@@ -303,7 +303,7 @@ def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: li
     rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
     parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
     split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
-    :func:`whale.parallel.zero3.build_zero3` over the stage ``module`` instead.
+    :func:`whale.parallel.zero3_sync.build_zero3` over the stage ``module`` instead.
 
     Raises:
         ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
@@ -312,7 +312,7 @@ def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: li
         return GradSync(param_groups, bucket_cap_mb), None
     check_optimizer(optimizer)
     if plan.zero >= 3:
-        from whale.parallel.zero3 import build_zero3  # noqa: PLC0415 - zero3 builds on this module
+        from whale.parallel.zero3_sync import build_zero3  # noqa: PLC0415 - zero3 builds on this module
 
         return build_zero3(plan, param_groups, lanes_group, optimizer, bucket_cap_mb, module)
     sync = ShardedGradSync(param_groups, bucket_cap_mb)

@@ -24,10 +24,11 @@ that requires grad has its gradient (or, for a parameter no path reached, at the
 gradients autograd made are copied into one flat buffer (as FSDP2 does: a buffer allocated up front would
 hold a unit's whole gradient while its first parameter's gradient is still being made, e.g. the tied head's),
 which is reduce-scattered into the lane's shard gradient (summed over micro-batches), and the unit is freed;
-the previous reduce-scatter is waited for then, so at most two flat gradient buffers exist. After the step's last backward one all-reduce of "used" flags makes every
-piece of a parameter no lane used end with ``.grad = None`` (as in one process). The optimizer steps this
-lane's *pieces* (views of its shard; the user's param groups and schedulers kept, as under ZeRO-1/2); nothing
-is broadcast after the step: the next forward gathers.
+the previous reduce-scatter is waited for then, so at most two flat gradient buffers exist. After the step's
+last backward one all-reduce of "used" flags makes every piece of a parameter no lane used end with
+``.grad = None`` (as in one process). The optimizer steps this lane's *pieces* (views of its shard; the user's
+param groups and schedulers kept, as under ZeRO-1/2); nothing is broadcast after the step: the next forward
+gathers.
 
 Collectives: with equal shares one ``all_gather_single`` / ``reduce_scatter_single`` per unit; with uneven
 shares gloo's all-gather refuses different sizes, so each lane broadcasts its range in place into the flat
@@ -56,10 +57,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from whale.memory.checkpointing import repeated_layers
-from whale.parallel.data import GradSync
 from whale.parallel.zero import _Piece, bind_pieces
-from whale.plan.plan import Plan
-from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.plan.zero import whole_shares
 
 
 class Zero3Error(ValueError):
@@ -162,8 +161,9 @@ class Zero3Shards:
             views[-1].copy_(p.detach())
             offset += p.numel()
         a, z = b[self.me], b[self.me + 1]
+        even = len({y - x for x, y in itertools.pairwise(b)}) == 1
         unit = _Unit(name, params, views, flat, flat[a:z].clone(), flat.new_zeros(z - a), b, keep,
-                     torch.zeros(len(params), dtype=torch.bool), even=len({y - x for x, y in itertools.pairwise(b)}) == 1)
+                     torch.zeros(len(params), dtype=torch.bool), even=even)
         offset = 0
         for i, p in enumerate(params):
             lo, hi = max(a, offset), min(z, offset + p.numel())
@@ -174,6 +174,11 @@ class Zero3Shards:
         self._free(unit)
         self._handles += [module.register_forward_pre_hook(lambda m, args, u=unit: self._gather(u)),
                           module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))]
+
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This lane's shard gradients, one per unit (what it holds of the gradients between steps)."""
+        return [u.shard_grad for u in self.units]
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-point the optimizer's param groups at this lane's pieces (see :func:`whale.parallel.zero.
@@ -357,50 +362,3 @@ class Zero3Shards:
         for h in [*self._handles, *self._grad_hooks.values()]:
             h.remove()
         self._handles, self._grad_hooks = [], {}
-
-
-class Zero3GradSync(GradSync):
-    """:class:`~whale.parallel.data.GradSync` for the parameters ZeRO-3 leaves whole (split shards, ties
-    across stages), driving :attr:`zero` at the step's start, end and zeroing."""
-
-    zero: Zero3Shards
-
-    def start_step(self) -> None:
-        """As :meth:`GradSync.start_step`, and ZeRO-3's gradient hooks."""
-        super().start_step()
-        if getattr(self, "zero", None) is not None:
-            self.zero.start_step()
-
-    def finish(self) -> None:
-        """As :meth:`GradSync.finish`, then the pieces' gradients."""
-        super().finish()
-        self.zero.finish()
-
-    def zero_grad(self) -> None:
-        """As :meth:`GradSync.zero_grad`, and the shard gradients."""
-        super().zero_grad()
-        self.zero.zero_grad()
-
-
-def build_zero3(plan: Plan, param_groups: list, lanes_group, optimizer, bucket_cap_mb: float,
-                module: nn.Module) -> tuple[GradSync, Zero3Shards | None]:
-    """The stage's gradient reduction with ZeRO-3 over its lanes: the lanes entry of ``param_groups``
-    (:func:`whale.runtime.groups.sync_sets`, first) is sharded (shares: the stage's ``zero_weights``), the
-    other entries reduced by a :class:`~whale.parallel.data.GradSync`; the optimizer's groups re-pointed at
-    this lane's pieces. Plain :class:`GradSync` and no shards where the stage has one lane.
-
-    Raises:
-        ZeroError: an optimizer that is not elementwise.
-        Zero3Error: a unit whose parameters mix dtypes or devices.
-    """
-    if lanes_group is None or dist.get_world_size(lanes_group) < 2 or not param_groups[0][1]:
-        return GradSync(param_groups, bucket_cap_mb), None
-    stage = plan.coords(dist.get_rank())[0]
-    lane_weights = zero_shard_weights(plan, stage)
-    weights = [lane_weights[plan.coords(dist.get_global_rank(lanes_group, g))[1]]
-               for g in range(dist.get_world_size(lanes_group))]
-    sync = Zero3GradSync(param_groups[1:], bucket_cap_mb)
-    sync.zero = Zero3Shards(module, param_groups[0][1], lanes_group, weights, plan.is_pipeline)
-    sync.zero.start_step()
-    sync.zero.bind(optimizer)
-    return sync, sync.zero

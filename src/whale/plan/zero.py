@@ -14,8 +14,8 @@ capacity: a 32 GB device holds about twice the state of a 16 GB one.
 Bytes assumed per parameter element (fp32): 4 for the parameter, 4 for its gradient, 8 of optimizer state
 (Adam/AdamW: two moments; the optimizer is not known when planning). Under stage 1 parameters and gradients
 stay whole on every lane; under stage 2 only parameters do; under stage 3 nothing does (the units gathered for
-one forward or backward at a time are left out, like activations when not profiled). With a memory model (a sample batch was
-profiled) each lane also keeps the activations of its batch share in flight.
+one forward or backward at a time are left out). With a memory model (a sample batch was profiled) each lane
+also keeps the activations of its batch share in flight.
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ class Engine(GradientUpdate):
     Attributes:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
             :meth:`load_checkpoint`.
-        module: this rank's stage module (the whole model when there is one stage); original FQNs.
+        module: this rank's stage module (the whole model when there is one stage); original FQNs. Under
+            ZeRO-3 its sharded parameters are empty tensors outside a step: read them with
+            :meth:`full_state_dict` or inside ``engine.zero.whole()`` (collective).
         optimizer: the optimizer over this rank's parameters (attach LR schedulers to it); under ZeRO its groups
             hold this lane's slices of the stage's replicated parameters (:mod:`whale.parallel.zero`).
         zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero=1 or 2)``, its
