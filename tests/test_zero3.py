@@ -1,8 +1,10 @@
 """ZeRO stage 3 (parameters sharded, gathered per unit; :mod:`whale.parallel.zero3`) against a one-process
-``deepcopy`` reference: world 2 with uneven shares, world 4 as DP2 x PP2 (1F1B, tied embedding/head across
-stages left whole) and as DP4 on an emulated mixed cluster (shares by free memory); AdamW with two param groups
-and an LR scheduler, a token-weighted loss with ignored targets, a frozen and an unused parameter, gradient
-clipping; parameter bytes measured by the storage tracker follow each rank's share; bf16 matches ZeRO-0 bf16.
+``deepcopy`` reference: world 2 with uneven shares, world 4 as DP2 x PP2 (1F1B; the embedding/head tied across
+stages keeps whole values, its gradients and optimizer state sliced as under ZeRO-2) and as DP4 on an emulated
+mixed cluster (shares by free memory); AdamW with two param groups and an LR scheduler, a token-weighted loss
+with ignored targets, a frozen and an unused parameter, gradient clipping, recompute inside units; parameter
+bytes measured by the storage tracker follow each rank's share; bf16 against one process under autocast;
+checkpoints resume exactly; split shards in a pipeline are left out.
 
 Tolerance as in test_zero (fp32, rtol 1e-5, atol 1e-6).
 """
@@ -73,7 +75,8 @@ def _equivalence(rank, world, spec):
             "weights": engine.plan.zero_weights[engine.stage] if engine.plan.zero_weights else None,
             "piece_numel": sum(pc.param.numel() for pc in zero.pieces),
             "sharded_numel": sum(u.flat.numel() for u in zero.units), "stage_numel": stage_numel,
-            "param_bytes": params[-1], "units": [u.name for u in zero.units]}
+            "param_bytes": params[-1], "units": [u.name for u in zero.units],
+            "tied_numel": sum(pc.param.numel() for pc in zero.tied.pieces) if zero.tied is not None else 0}
 
 
 CASES = [
@@ -101,6 +104,8 @@ def test_zero3_matches_one_process(world, spec):
             assert r["param_bytes"] == pytest.approx(4 * r["piece_numel"] + whole, rel=0.01), r
     if world == 2:
         assert results[0]["units"] == ["blocks.0", "blocks.1", "<root>"]
+    if len({r["stage"] for r in results}) > 1:  # the tied embedding/head: its state sliced over both stages
+        assert sum(r["tied_numel"] for r in results) == 32 * 16 and all(r["tied_numel"] < 32 * 16 for r in results)
     if "cluster" in spec:
         assert all(r["weights"][0] > 1.5 * r["weights"][-1] for r in results)
 

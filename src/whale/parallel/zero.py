@@ -84,7 +84,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def held_gradient_bytes(grad_sync: GradSync) -> int:
     """Bytes of gradient storage ``grad_sync`` holds right now: its bucket buffers and, under ZeRO-2, the
     shard gradients (between steps ZeRO-2 holds only the shards of the buckets it frees)."""
-    zero = getattr(grad_sync, "zero", None)
+    zero = getattr(grad_sync, "zero3", None) or getattr(grad_sync, "zero", None)
     shards = zero.shard_grads if zero is not None else []
     return sum(t.numel() * t.element_size() for t in [*(b.buf for b in grad_sync.buckets), *shards])
 
@@ -314,24 +314,28 @@ def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: li
     if plan.zero >= 3:
         from whale.parallel.zero3_sync import build_zero3  # noqa: PLC0415 - zero3 builds on this module
 
-        return build_zero3(plan, param_groups, lanes_group, optimizer, bucket_cap_mb, module)
+        return build_zero3(plan, param_groups, lanes_group, tied_groups, optimizer, bucket_cap_mb, module)
     sync = ShardedGradSync(param_groups, bucket_cap_mb)
-    own = {id(p) for p in param_groups[0][1]}
+    sync.zero = shard_buckets(plan, sync, lanes_group, tied_groups, {id(p) for p in param_groups[0][1]}, plan.zero)
+    if sync.zero is not None:
+        sync.zero.bind(optimizer)
+    return sync, sync.zero
+
+
+def shard_buckets(plan: Plan, sync: GradSync, lanes_group, tied_groups: list, own: set[int],
+                  level: int) -> ZeroShards | None:
+    """ZeRO-``level`` (1 or 2) shards of ``sync``'s buckets over the stage's lanes (``lanes_group``, only
+    buckets of parameters whose ``id`` is in ``own``) and over the ranks holding a tied parameter
+    (``tied_groups``), as :func:`build_grad_sync` describes; ``None`` when no bucket qualifies."""
     buckets, weights = [], []
     for b in sync.buckets:
-        if lanes_group is not None and b.group is lanes_group and all(id(p) in own for p in b.params):
-            buckets.append(b)
-        elif any(b.group is g for g in tied_groups if g is not None):
-            buckets.append(b)
-        else:
+        lanes = lanes_group is not None and b.group is lanes_group and all(id(p) in own for p in b.params)
+        if not lanes and not any(b.group is g for g in tied_groups if g is not None):
             continue
+        buckets.append(b)
         ranks = [plan.coords(dist.get_global_rank(b.group, g)) for g in range(dist.get_world_size(b.group))]
         weights.append([_relative(plan, s, lane) for s, lane in ranks])
-    if not buckets:
-        return sync, None
-    sync.zero = ZeroShards(buckets, weights, plan.zero)
-    sync.zero.bind(optimizer)
-    return sync, sync.zero
+    return ZeroShards(buckets, weights, level) if buckets else None
 
 
 def _relative(plan: Plan, stage: int, lane: int) -> float:

@@ -109,6 +109,8 @@ class Zero3Shards:
         pieces: this lane's parts of parameters (the optimizer's parameters in place of the whole ones).
         units: the units, root last.
         tracker: ``None`` or a :class:`whale.memory.tracker.StorageTracker` told of every gather and free.
+        tied: ``None`` or the ZeRO-2 :class:`~whale.parallel.zero.ZeroShards` of the parameters tied across
+            stages (whole values; gradients and optimizer state sliced over the tie group), driven along.
 
     Raises:
         Zero3Error: a unit whose parameters mix dtypes or devices.
@@ -118,7 +120,7 @@ class Zero3Shards:
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], group, weights: list[float],
                  pipeline: bool) -> None:
-        self.group, self.tracker = group, None
+        self.group, self.tracker, self.tied = group, None, None
         self.me = dist.get_rank(group)
         self.sources = [dist.get_global_rank(group, g) for g in range(len(weights))]
         self.weights = list(weights)
@@ -178,7 +180,7 @@ class Zero3Shards:
     @property
     def shard_grads(self) -> list[torch.Tensor]:
         """This lane's shard gradients, one per unit (what it holds of the gradients between steps)."""
-        return [u.shard_grad for u in self.units]
+        return [u.shard_grad for u in self.units] + (self.tied.shard_grads if self.tied is not None else [])
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-point the optimizer's param groups at this lane's pieces (see :func:`whale.parallel.zero.
@@ -188,6 +190,8 @@ class Zero3Shards:
             ZeroError: the optimizer is not elementwise.
         """
         bind_pieces(optimizer, self.pieces, self.managed)
+        if self.tied is not None:
+            self.tied.bind(optimizer)
 
     # --- gathering and freeing -------------------------------------------------------------------------------
     def _resized(self, unit: _Unit, numel: int) -> None:
@@ -326,7 +330,10 @@ class Zero3Shards:
             pc.param.grad = self.units[pc.bucket].shard_grad[pc.lo - a: pc.hi - a]
 
     def gather(self) -> None:
-        """After ``optimizer.step()``: nothing (the next forward gathers each unit from the updated shards)."""
+        """After ``optimizer.step()``: the tied parameters' slices broadcast back (collective over each tie
+        group); the units are not gathered (the next forward gathers each from the updated shards)."""
+        if self.tied is not None:
+            self.tied.gather()
 
     def release(self) -> None:
         """Free every unit still gathered (the root after an eval forward)."""
@@ -351,11 +358,13 @@ class Zero3Shards:
     def norm_params(self, owners: list[nn.Parameter]) -> list[nn.Parameter]:
         """The tensors whose gradients this rank adds to the global norm: ``owners`` less the sharded
         parameters, plus this lane's pieces (each element counted once over the lanes)."""
-        return [p for p in owners if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+        out = [p for p in owners if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+        return self.tied.norm_params(out) if self.tied is not None else out
 
     def clip_targets(self, params) -> list[nn.Parameter]:
         """The tensors whose gradients clipping (and fp16 unscaling) scales: ``params`` and the pieces."""
-        return [p for p in params if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+        out = [p for p in params if id(p) not in self.managed] + [pc.param for pc in self.pieces]
+        return self.tied.clip_targets(out) if self.tied is not None else out
 
     def remove(self) -> None:
         """Remove every hook."""
