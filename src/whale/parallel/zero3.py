@@ -9,7 +9,8 @@ the rest (embeddings, final norm, a head, parameters used by several units, e.g.
 head) form the *root* unit of the stage module. A pipeline stage is a traced graph that reads parameters
 directly, not through module calls, so there the whole stage module is one unit.
 Each unit's parameters (the stage's replicated ones: not split shards, already cut, and not parameters tied
-across stages, which stay whole and are summed over their tie group as without ZeRO) become views of one flat
+across stages, whose values stay whole while their gradients and optimizer state are sliced over the tie group
+as under ZeRO-2: :attr:`Zero3Shards.tied`, :mod:`whale.parallel.zero3_sync`) become views of one flat
 buffer of ``N`` elements; lane ``g`` of the stage owns elements ``bounds[g]:bounds[g + 1]`` (
 :func:`~whale.plan.zero.whole_shares` of the plan's ``zero_weights``: sized by free device memory) and keeps
 them in its own *shard*; the full buffer's storage exists only while the unit is gathered
