@@ -32,9 +32,12 @@ class UnusedLM(TinyLM):
         self.unused = nn.Linear(4, 4)
 
 
+SCALE = wh.LossScale(init_scale=2.0 ** 10, growth_interval=2)
+
+
 def _make(world, spec):
     cfg = wh.Config(num_micro_batch=2, zero=3, max_grad_norm=CLIP, cluster=spec.get("cluster"),
-                    precision=spec.get("precision", "fp32"), track_memory=True,
+                    precision=spec.get("precision", "fp32"), track_memory=True, loss_scale=SCALE,
                     activation_checkpoint=spec.get("checkpoint"))
     ctx = wh.init(cfg)
     torch.manual_seed(0)
@@ -110,31 +113,42 @@ def test_zero3_matches_one_process(world, spec):
         assert all(r["weights"][0] > 1.5 * r["weights"][-1] for r in results)
 
 
-# --- bf16 autocast composes; checkpoints resume exactly ------------------------------------------------------
-def _bf16(rank, world):
-    engine, ref, _ = _make(world, {"layers": (2,), "weights": ((1.0, 2.0),), "precision": "bf16"})
+# --- bf16 / fp16 autocast compose (fp16: loss scaling as GradScaler's); eval; checkpoints resume exactly ----
+def _mixed(rank, world, precision):
+    engine, ref, _ = _make(world, {"layers": (2,), "weights": ((1.0, 2.0),), "precision": precision})
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2, enabled=precision == "fp16")
     losses, ref_losses = [], []
     for x, y in _batches(3):
         losses.append(engine.step((x, y))["loss"])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             logits = ref(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         ref_opt.zero_grad()
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(ref_opt)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-        ref_opt.step()
+        scaler.step(ref_opt)
+        scaler.update()
         ref_losses.append(loss.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0)
-    full = engine.full_state_dict()  # bf16 tolerance as in test_precision
+    x, y = _batches(5)[4]
+    evaluated = engine.eval_step((x, y))["loss"]  # the root unit is freed after the eval forward
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        ref_eval = torch.nn.functional.cross_entropy(ref(x).float().flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert evaluated == pytest.approx(float(ref_eval), rel=2e-3)
+    assert not any(u.gathered for u in engine.zero.units)
+    full = engine.full_state_dict()  # tolerance as in test_precision (bf16: 8 bits; fp16 holds a fortiori)
     for name, p in ref.named_parameters():
         if rank == 0:
             torch.testing.assert_close(full[name], p.detach(), rtol=1e-2, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
     return losses
 
 
-def test_zero3_bf16_matches_one_process_autocast():
-    run_ranks(_bf16, 2, timeout=60)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero3_mixed_precision_matches_one_process_autocast(precision):
+    run_ranks(_mixed, 2, precision, timeout=60)
 
 
 def _resume(rank, world, path):
