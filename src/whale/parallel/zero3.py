@@ -280,12 +280,12 @@ class Zero3Shards:
             work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
         unit.active = False
         self._free(unit)
-        self._drain(keep=0)
-        self._pending.append((unit, out, work, full))
+        self._drain()
+        self._pending.append((unit, out, work, full))  # ``full`` stays alive until the collective is done
 
-    def _drain(self, keep: int = 0) -> None:
-        """Wait for all but the ``keep`` latest reduce-scatters and add them to the shard gradients."""
-        while len(self._pending) > keep:
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters started and add them to the shard gradients."""
+        while self._pending:
             unit, out, work, _ = self._pending.pop(0)
             work.wait()
             unit.shard_grad.add_(out)
@@ -310,7 +310,7 @@ class Zero3Shards:
         """After the step's last backward: the pieces get their summed gradients, ``None`` where no lane used
         the parameter (one all-reduce of the used flags over the lanes)."""
         self._drain()
-        flags = torch.cat([u.used for u in self.units]).to(torch.float32)
+        flags = torch.cat([u.used for u in self.units]).to(self.units[0].flat.device, torch.float32)  # NCCL: device
         dist.all_reduce(flags, group=self.group)
         starts = [0, *itertools.accumulate(len(u.params) for u in self.units)]
         for pc in self.pieces:
