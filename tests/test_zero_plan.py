@@ -83,6 +83,10 @@ def test_plan_shards_follow_each_lane_devices_free_memory():
     even = _plan(4, 2)  # identical devices (no cluster): equal shards
     assert even.zero == 2 and even.zero_weights == () and "ZeRO-2" in str(even)
     assert OPTIM_BYTES == 8
+    three = _plan(4, 3, "examples/clusters/v100_p100.yaml")  # ZeRO-3: nothing stays whole, shares by capacity
+    caps = [memory_capacity(spec, three.rank_of(0, lane)) for lane in range(2)]
+    assert three.zero_weights[0][0] / three.zero_weights[0][1] == pytest.approx(caps[0] / caps[1])
+    assert "ZeRO-3: optimizer state, gradients and parameters sharded" in str(three)
 
 
 def test_zero_fields_round_trip_through_json():
