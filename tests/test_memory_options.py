@@ -41,7 +41,7 @@ def _stage(rng: random.Random) -> StageMemory:
     return StageMemory(trainable_elements=e, frozen_bytes=rng.uniform(0, 1000), activation_bytes=act,
                        checkpointed_bytes=kept, backward_bytes=act + extra,
                        checkpointed_backward_bytes=kept + act * rng.uniform(0.1, 1 - k) + extra,
-                       largest_unit_elements=rng.randint(1, e), recompute_flops=rng.uniform(1e3, 1e6),
+                       gather_elements=rng.randint(1, e), recompute_flops=rng.uniform(1e3, 1e6),
                        train_flops=rng.uniform(1e6, 1e7))
 
 
@@ -70,7 +70,7 @@ def _brute(plan, stages, batch, floor, forbid, cap, host, speeds, bw):
     def allowed(o):
         if o.activation_checkpoint < floor.activation_checkpoint or o.zero < floor.zero or \
                 OFFLOADS.index(o.offload) < OFFLOADS.index(floor.offload) or \
-                (o.offload == "optimizer+params" and o.zero):  # the runtime offloads parameters with zero=0 only
+                (o.offload == "optimizer+params" and o.zero) or (o.offload != "none" and o.zero == 3):
             return False
         added = {"activation_checkpoint": o.activation_checkpoint and not floor.activation_checkpoint,
                  "zero": o.zero > floor.zero, "zero3": o.zero == 3 and floor.zero < 3,
@@ -130,7 +130,7 @@ def test_floor_and_forbid_are_respected_and_reasons_name_the_shortfall():
     plan = _plan(1, 2, 1)
     stages = [StageMemory(trainable_elements=10_000, activation_bytes=100.0, checkpointed_bytes=10.0,
                           backward_bytes=150.0,
-                          largest_unit_elements=1000, recompute_flops=1e3)]
+                          gather_elements=1000, recompute_flops=1e3)]
     need = plan_memory(plan, stages, 4, MemoryOptions())[0].device_total
     place = lambda _o: plan  # noqa: E731
     cap = [need * 0.8] * 2  # ZeRO-1 (optimizer halved) fits, nothing cheaper does

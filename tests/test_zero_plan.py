@@ -83,6 +83,10 @@ def test_plan_shards_follow_each_lane_devices_free_memory():
     even = _plan(4, 2)  # identical devices (no cluster): equal shards
     assert even.zero == 2 and even.zero_weights == () and "ZeRO-2" in str(even)
     assert OPTIM_BYTES == 8
+    three = _plan(4, 3, "examples/clusters/v100_p100.yaml")  # ZeRO-3: nothing stays whole, shares by capacity
+    caps = [memory_capacity(spec, three.rank_of(0, lane)) for lane in range(2)]
+    assert three.zero_weights[0][0] / three.zero_weights[0][1] == pytest.approx(caps[0] / caps[1])
+    assert "ZeRO-3: optimizer state, gradients and parameters sharded" in str(three)
 
 
 def test_zero_fields_round_trip_through_json():
@@ -93,7 +97,7 @@ def test_zero_fields_round_trip_through_json():
     assert whole_shares(10, (3.0, 1.0)) == [8, 2] and whole_shares(5, (0.0, 1.0, 1.0)) == [0, 3, 2]
 
 
-@pytest.mark.parametrize("zero,match", [(3, "ZeRO-3"), (4, "not a ZeRO stage"), (True, "not a ZeRO stage"),
+@pytest.mark.parametrize("zero,match", [(4, "not a ZeRO stage"), (True, "not a ZeRO stage"),
                                         (-1, "not a ZeRO stage"), ("1", "not a ZeRO stage")])
 def test_bad_zero_config_is_refused(zero, match):
     with pytest.raises(ConfigError, match=match):
@@ -101,7 +105,7 @@ def test_bad_zero_config_is_refused(zero, match):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"zero": 3}, "ZeRO-3 is not implemented"),
+    ({"zero": 4}, "not a ZeRO stage"),
     ({"zero": 0, "zero_weights": ((1.0, 1.0), (1.0, 1.0))}, "shards nothing"),
     ({"zero_weights": ((1.0, 1.0),)}, "one list per stage"),
     ({"zero_weights": ((1.0, 1.0, 1.0), (1.0, 1.0))}, "one per lane"),

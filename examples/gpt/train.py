@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "list of module types, FQN globs and TaskGraph indices, e.g. Block or blocks.0,blocks.1")
     a("--track-memory", action="store_true",
       help="measure memory per rank on a plain CPU run too (always on under an emulated cluster)")
-    a("--zero", type=int, default=0, choices=[0, 1, 2],
+    a("--zero", type=int, default=0, choices=[0, 1, 2, 3],
       help="ZeRO stage over each pipeline stage's data-parallel lanes: 1 shards the AdamW state, 2 also the "
-           "gradients (slices sized by each device's free memory on a cluster spec); 3 is not implemented")
+           "gradients, 3 also the parameters (slices sized by each device's free memory on a cluster spec)")
     a("--offload", default="none", choices=["none", "optimizer", "optimizer+params"],
       help="keep the AdamW state (each lane's ZeRO slice), fp32 masters and gradients in host memory and step there "
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")

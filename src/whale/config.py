@@ -84,8 +84,9 @@ class Config:
         zero: ZeRO stage (Rajbhandari et al., "ZeRO", SC 2020) over each pipeline stage's data-parallel lanes:
             0 off; 1 shards the optimizer state (each lane steps its slice of the stage's replicated parameters,
             then the slices are broadcast back); 2 also shards gradients (reduce-scatter instead of
-            all-reduce). On a cluster spec the slices follow each device's free memory. Needs an elementwise
-            optimizer (SGD, Adam, AdamW, ...). ZeRO-3 (parameters sharded) is not implemented.
+            all-reduce); 3 also shards the parameters (each unit of the stage gathered before its forward and
+            backward and freed after: :mod:`whale.parallel.zero3`). On a cluster spec the slices follow each
+            device's free memory. Needs an elementwise optimizer (SGD, Adam, AdamW, ...).
         precision: ``"fp32"`` (the default), ``"bf16"`` (``torch.autocast`` in bfloat16 around each stage's
             forward; parameters, gradients, optimizer and loss stay fp32) or ``"fp16"`` (autocast in float16 with
             dynamic loss scaling, identical on every rank: :mod:`whale.runtime.precision`). Recorded in the plan.
@@ -147,11 +148,9 @@ class Config:
             raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
         if self.capture not in ("auto", "export", "fx"):
             raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
-        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
-            hint = (" ZeRO-3 (parameters sharded, gathered before use) is not implemented in Whale; use zero=2, "
-                    "or torch.distributed.fsdp.fully_shard directly for even shards") if self.zero == 3 else ""
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError(f"zero={self.zero!r} is not a ZeRO stage; choose 0 (off), 1 (optimizer state "
-                              f"sharded) or 2 (optimizer state and gradients sharded).{hint}")
+                              "sharded), 2 (optimizer state and gradients sharded) or 3 (also parameters)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is unknown; choose one of {PRECISIONS}")
         if not isinstance(self.loss_scale, LossScale):
@@ -175,6 +174,10 @@ class Config:
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"offload={self.offload!r} is unknown; choose one of {OFFLOADS}")
+        if self.offload != "none" and self.zero == 3:
+            raise ConfigError(f"offload={self.offload!r} with zero=3: ZeRO-3 gathers each layer's parameter slices "
+                              "per use and Whale does not offload them; use zero=2 with offload='optimizer', or "
+                              "zero=3 without offload")
         if self.offload == "optimizer+params" and self.zero:
             raise ConfigError(f"offload='optimizer+params' with zero={self.zero}: whole parameters cannot stay on "
                               "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "

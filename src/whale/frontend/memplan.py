@@ -68,11 +68,21 @@ def _backward_peak(work: list, kept: list[float], last_stage: bool) -> float:
     return peak
 
 
+def _gathered(units: list, layers: tuple[str, ...], trainable: int, pipelined: bool) -> int:
+    """Elements ZeRO-3 holds gathered at once: the whole stage in a pipeline; else the parameters outside the
+    repeated ``layers`` (gathered from forward to backward) plus the largest layer."""
+    if pipelined:
+        return trainable
+    inside = [u.param_bytes // 4 for u in units if _inside(u.name, layers)]
+    return trainable - sum(inside) + max(inside, default=0)
+
+
 def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[str]],
                    checkpointed: tuple[str, ...] = ()) -> list[StageMemory]:
     """One :class:`StageMemory` per stage (see the module docstring). ``checkpointed``: the module FQNs the
     plan checkpoints; empty: every repeated layer (what the planner would checkpoint)."""
-    targets = checkpointed or tuple(repeated_layers(model))
+    layers = tuple(repeated_layers(model))
+    targets = checkpointed or layers
     tensors = dict(model.named_parameters(remove_duplicate=False))
     last = len(stage_params) - 1
     out = []
@@ -88,7 +98,7 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
             trainable_elements=trainable, frozen_bytes=float(frozen), activation_bytes=sum(act),
             checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last),
             checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last),
-            largest_unit_elements=max((u.param_bytes // 4 for u in units), default=0),
+            gather_elements=_gathered(units, layers, trainable, len(stage_params) > 1),
             recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
             train_flops=sum(u.train_flops for u in work)))
     return out

@@ -132,7 +132,7 @@ def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows:
         InfeasiblePlanError: nothing allowed fits.
     """
     floor = MemoryOptions(bool(plan.activation_checkpoint), plan.zero, plan.offload)
-    choice = memplan.fit_memory(plan, cluster, stage_mem, rows, config, floor, lambda what: what != "zero3")
+    choice = memplan.fit_memory(plan, cluster, stage_mem, rows, config, floor, lambda what: True)
     out = choice.plan
     if choice.options.activation_checkpoint and not plan.activation_checkpoint:
         out = _with_checkpointing(model, out, config.replace(activation_checkpoint="all"))

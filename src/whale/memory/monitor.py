@@ -108,6 +108,10 @@ class MemoryMonitor:
         for p in self.module.parameters():
             tr.label(p, "parameters")
             tr.label(p.grad, "gradients")
+        for group in self.optimizer.param_groups:  # ZeRO's pieces: views of shards the module does not hold
+            for p in group["params"]:
+                tr.label(p, "parameters")
+                tr.label(p.grad, "gradients")
         for b in self.module.buffers():
             tr.label(b, "buffers")
         if self.host is not None:  # the optimizer's state is among the host tensors

@@ -36,7 +36,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES: tuple[str, ...] = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
@@ -125,7 +125,14 @@ class StorageTracker(TorchDispatchMode):
             self.at_peak = {c: self.current[c] for c in CATEGORIES}
 
     def _see(self, t: torch.Tensor, category: str | None) -> None:
-        """Register ``t``'s storage (as ``category``, or the phase's when None) or update its size/category."""
+        """Register ``t``'s storage (as ``category``, or the phase's when None) or update its size/category. A
+        wrapper subclass (a ``DTensor``) owns no memory of its own: its inner tensors' storages count."""
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):  # a DTensor also lists its device mesh
+                    self._see(inner, category)
+            return
         st = _storage(t)
         if st is None:
             return
@@ -140,6 +147,14 @@ class StorageTracker(TorchDispatchMode):
             entry[0], entry[1] = 0, category
         if nbytes != entry[0]:
             grow, entry[0] = nbytes - entry[0], nbytes
+            self._grow(entry[1], grow)
+
+    def resized(self, storage) -> None:
+        """A counted storage changed size outside the dispatcher (``UntypedStorage.resize_``, with which ZeRO-3
+        and FSDP2 free and re-allocate gathered parameters): count its new bytes (nothing if not counted)."""
+        entry = self._live.get(id(storage))
+        if entry is not None and storage.nbytes() != entry[0]:
+            grow, entry[0] = storage.nbytes() - entry[0], storage.nbytes()
             self._grow(entry[1], grow)
 
     def label(self, t: torch.Tensor | None, category: str) -> None:

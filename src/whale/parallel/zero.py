@@ -38,6 +38,7 @@ groups), and DeepSpeed's ZeRO refuses pipelines for stage 2; here every pipeline
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def held_gradient_bytes(grad_sync: GradSync) -> int:
     """Bytes of gradient storage ``grad_sync`` holds right now: its bucket buffers and, under ZeRO-2, the
     shard gradients (between steps ZeRO-2 holds only the shards of the buckets it frees)."""
-    zero = getattr(grad_sync, "zero", None)
+    zero = getattr(grad_sync, "zero3", None) or getattr(grad_sync, "zero", None)
     shards = zero.shard_grads if zero is not None else []
     return sum(t.numel() * t.element_size() for t in [*(b.buf for b in grad_sync.buckets), *shards])
 
@@ -110,6 +111,21 @@ class _Works:
         """Wait for every collective."""
         for w in self.works:
             w.wait()
+
+
+def bind_pieces(optimizer: torch.optim.Optimizer, pieces: list[_Piece], managed: set[int]) -> None:
+    """Re-point the optimizer's param groups at ``pieces`` in place: each parameter whose ``id`` is in
+    ``managed`` is replaced by its pieces on this rank (none: it leaves its group); others stay.
+
+    Raises:
+        ZeroError: the optimizer is not elementwise.
+    """
+    check_optimizer(optimizer)
+    of: dict[int, list[nn.Parameter]] = {}
+    for pc in pieces:
+        of.setdefault(id(pc.owner), []).append(pc.param)
+    for group in optimizer.param_groups:
+        group["params"] = [q for p in group["params"] for q in (of.get(id(p), []) if id(p) in managed else [p])]
 
 
 class ZeroShards:
@@ -166,13 +182,14 @@ class ZeroShards:
         Raises:
             ZeroError: the optimizer is not elementwise.
         """
-        check_optimizer(optimizer)
-        of: dict[int, list[nn.Parameter]] = {}
-        for pc in self.pieces:
-            of.setdefault(id(pc.owner), []).append(pc.param)
-        for group in optimizer.param_groups:
-            group["params"] = [q for p in group["params"]
-                               for q in (of.get(id(p), []) if id(p) in self.managed else [p])]
+        bind_pieces(optimizer, self.pieces, self.managed)
+
+    def release(self) -> None:
+        """Nothing to free (ZeRO-1/2 keep whole parameters; ZeRO-3 frees its gathered units here)."""
+
+    def whole(self, write_back: bool = False):
+        """A context in which every parameter is whole: always, under ZeRO-1/2 (``write_back`` is unused)."""
+        return contextlib.nullcontext()
 
     def owns(self, b: _Bucket) -> bool:
         """True when ``b`` is one of the buckets sharded here."""
@@ -279,13 +296,14 @@ class ShardedGradSync(GradSync):
 
 
 def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
-                    bucket_cap_mb: float) -> tuple[GradSync, ZeroShards | None]:
+                    bucket_cap_mb: float, module: nn.Module | None = None) -> tuple[GradSync, ZeroShards | None]:
     """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
     re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
     stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
     rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
     parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
-    split shards are never sharded again. No shards where no group has several ranks.
+    split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
+    :func:`whale.parallel.zero3_sync.build_zero3` over the stage ``module`` instead.
 
     Raises:
         ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
@@ -293,23 +311,31 @@ def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: li
     if not plan.zero:
         return GradSync(param_groups, bucket_cap_mb), None
     check_optimizer(optimizer)
+    if plan.zero >= 3:
+        from whale.parallel.zero3_sync import build_zero3  # noqa: PLC0415 - zero3 builds on this module
+
+        return build_zero3(plan, param_groups, lanes_group, tied_groups, optimizer, bucket_cap_mb, module)
     sync = ShardedGradSync(param_groups, bucket_cap_mb)
-    own = {id(p) for p in param_groups[0][1]}
+    sync.zero = shard_buckets(plan, sync, lanes_group, tied_groups, {id(p) for p in param_groups[0][1]}, plan.zero)
+    if sync.zero is not None:
+        sync.zero.bind(optimizer)
+    return sync, sync.zero
+
+
+def shard_buckets(plan: Plan, sync: GradSync, lanes_group, tied_groups: list, own: set[int],
+                  level: int) -> ZeroShards | None:
+    """ZeRO-``level`` (1 or 2) shards of ``sync``'s buckets over the stage's lanes (``lanes_group``, only
+    buckets of parameters whose ``id`` is in ``own``) and over the ranks holding a tied parameter
+    (``tied_groups``), as :func:`build_grad_sync` describes; ``None`` when no bucket qualifies."""
     buckets, weights = [], []
     for b in sync.buckets:
-        if lanes_group is not None and b.group is lanes_group and all(id(p) in own for p in b.params):
-            buckets.append(b)
-        elif any(b.group is g for g in tied_groups if g is not None):
-            buckets.append(b)
-        else:
+        lanes = lanes_group is not None and b.group is lanes_group and all(id(p) in own for p in b.params)
+        if not lanes and not any(b.group is g for g in tied_groups if g is not None):
             continue
+        buckets.append(b)
         ranks = [plan.coords(dist.get_global_rank(b.group, g)) for g in range(dist.get_world_size(b.group))]
         weights.append([_relative(plan, s, lane) for s, lane in ranks])
-    if not buckets:
-        return sync, None
-    sync.zero = ZeroShards(buckets, weights, plan.zero)
-    sync.zero.bind(optimizer)
-    return sync, sync.zero
+    return ZeroShards(buckets, weights, level) if buckets else None
 
 
 def _relative(plan: Plan, stage: int, lane: int) -> float:

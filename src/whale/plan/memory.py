@@ -16,7 +16,8 @@ and :func:`choose_memory_options` picks, among the combinations the user allows,
 predicted step time whose every rank fits its device and its node's host memory.
 
 What each option holds at a rank's peak, per parameter element of its stage (fp32; ``f`` = the lane's share
-of the stage's sharded state, ``E`` = the stage's trainable elements, ``U`` = its largest layer's):
+of the stage's sharded state, ``E`` = the stage's trainable elements, ``G`` = those ZeRO-3 holds gathered at
+once):
 
 ========================  ==========  =================  ===============  ==================
 option                    parameters  gradients          optimizer state  host
@@ -24,16 +25,16 @@ option                    parameters  gradients          optimizer state  host
 none                      4E          4E                 8E               0
 ZeRO-1                    4E          4E                 8fE              0
 ZeRO-2                    4E          4E + 4fE (below)   8fE              0
-ZeRO-3                    4fE + 8U    4fE + 8U           8fE              0
+ZeRO-3                    4fE + 4G    4fE + 4G           8fE              0
 offload optimizer         as above    as above           0                (4 + 4 + 8)·fE
 offload optimizer+params  4E          4E                 0                (4 + 4 + 8)·E
 ========================  ==========  =================  ===============  ==================
 
 ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (gradient accumulation keeps whole
 gradients until then, :mod:`whale.parallel.zero`) into the lane's persistent slice: its *peak* holds both (it
-saves memory between steps and during the optimizer step, not at the peak). ZeRO-3 holds two layers gathered at once (the one running and the next). The
-offloaded host keeps fp32 masters, gradient copies and the optimizer state of the lane's slice
-(:mod:`whale.runtime.offload`); ``"optimizer+params"`` (``zero=0`` only) also keeps the parameters on the host
+saves memory between steps and during the optimizer step, not at the peak). ZeRO-3 reduce-scatters each
+unit's gradients after its backward. The offloaded host keeps fp32 masters, gradient copies and the optimizer
+state of the lane's slice (:mod:`whale.runtime.offload`; not with ZeRO-3); ``"optimizer+params"`` (``zero=0`` only) also keeps the parameters on the host
 between steps, but brings the whole stage to the device for the step, so it does not lower the step's peak.
 
 Step time per option (seconds on the slowest rank, :func:`step_seconds`; compared, not predicted to the
@@ -80,7 +81,9 @@ class StageMemory:
             gradient of the logits), at the worst moment (>= ``activation_bytes`` when profiled).
         checkpointed_backward_bytes: the same with every repeated layer checkpointed (the layer in backward
             holds its recomputed activations).
-        largest_unit_elements: parameter elements of the stage's largest layer (ZeRO-3 / offload gather window).
+        gather_elements: parameter elements ZeRO-3 holds gathered at once (:mod:`whale.parallel.zero3`): a
+            pipeline stage is gathered whole per micro-batch; one stage gathers each repeated layer in turn
+            and keeps the rest (embeddings, head) gathered from its forward to its backward.
         recompute_flops: forward FLOPs per sample of the checkpointable layers (what recomputation repeats).
         train_flops: forward + backward FLOPs per sample of the whole stage (to compare the options' compute
             time on the lane shares each option's placement gives).
@@ -92,7 +95,7 @@ class StageMemory:
     checkpointed_bytes: float = 0.0
     backward_bytes: float = 0.0
     checkpointed_backward_bytes: float = 0.0
-    largest_unit_elements: int = 0
+    gather_elements: int = 0
     recompute_flops: float = 0.0
     train_flops: float = 0.0
 
@@ -136,11 +139,10 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
     if options.offload not in OFFLOADS or options.zero not in (0, 1, 2, 3) or not 0 < share <= 1:
         raise ValueError(f"bad memory options {options} or share {share} (offload in {OFFLOADS}, zero 0-3, "
                          "share in (0, 1])")
-    e, u = float(stage.trainable_elements), float(stage.largest_unit_elements)
+    e, g = float(stage.trainable_elements), float(min(stage.gather_elements, stage.trainable_elements))
     f = share if options.zero else 1.0
-    window = 8.0 * min(u, e)  # two layers' parameters (or gradients) gathered at once
-    params = 4 * f * e + window if options.zero == 3 else 4 * e
-    grads = {3: 4 * f * e + window, 2: 4 * e + 4 * f * e}.get(options.zero, 4 * e)
+    params = 4 * f * e + 4 * g if options.zero == 3 else 4 * e
+    grads = {3: 4 * f * e + 4 * g, 2: 4 * e + 4 * f * e}.get(options.zero, 4 * e)
     host = 0.0
     if options.offload == "none":
         optim = 8 * f * e
@@ -221,7 +223,7 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
 
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
     """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows (offloading
-    the parameters runs with ``zero=0`` only).
+    the parameters runs with ``zero=0`` only, offload not with ZeRO-3).
 
     ``forbid`` names (:data:`FORBIDDEN`) techniques the planner must not add: ``"activation_checkpoint"``,
     ``"zero"`` (any higher ZeRO stage), ``"zero3"``, ``"offload"``, ``"offload_params"``.
@@ -235,7 +237,8 @@ def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[Memor
     out = []
     for ckpt, zero, off in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS):
         lower = ckpt < floor.activation_checkpoint or zero < floor.zero or \
-            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0)
+            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0) \
+            or (off != "none" and zero == 3)
         banned = (ckpt and not floor.activation_checkpoint and "activation_checkpoint" in forbid) or \
             (zero > floor.zero and "zero" in forbid) or (zero == 3 > floor.zero and "zero3" in forbid) or \
             (off != floor.offload and "offload" in forbid) or \

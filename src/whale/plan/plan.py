@@ -184,7 +184,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             ``"export"`` (``torch.export``, non-strict, from ``capture_inputs``).
         capture_inputs: the example forward arguments of an ``"export"`` capture.
         zero: ZeRO stage over each pipeline stage's data-parallel lanes (Rajbhandari et al., SC 2020): 0 none,
-            1 optimizer state sharded, 2 also gradients (reduce-scatter); see :mod:`whale.parallel.zero`.
+            1 optimizer state sharded, 2 also gradients (reduce-scatter), 3 also parameters (gathered per unit
+            before use, freed after); see :mod:`whale.parallel.zero` and :mod:`whale.parallel.zero3`.
         zero_weights: with ``zero >= 1``, per stage the relative shard size of each of its lanes (numbers >= 0,
             by lane index; empty = equal shards), sized by device memory (:mod:`whale.plan.zero`).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with

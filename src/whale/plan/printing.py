@@ -158,7 +158,8 @@ def _zero_rows(plan: Plan) -> list[str]:
     """The ZeRO stage and, per stage with several lanes, each lane's share of the sharded state."""
     if not plan.zero:
         return []
-    what = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
+    what = ("optimizer state", "optimizer state and gradients",
+            "optimizer state, gradients and parameters")[plan.zero - 1]
     shares = []
     for s in range(plan.num_stages):
         w = plan.zero_weights[s] if plan.zero_weights else (1.0,) * plan.lanes_of(s)

@@ -13,8 +13,9 @@ capacity: a 32 GB device holds about twice the state of a 16 GB one.
 
 Bytes assumed per parameter element (fp32): 4 for the parameter, 4 for its gradient, 8 of optimizer state
 (Adam/AdamW: two moments; the optimizer is not known when planning). Under stage 1 parameters and gradients
-stay whole on every lane; under stage 2 only parameters do. With a memory model (a sample batch was
-profiled) each lane also keeps the activations of its batch share in flight.
+stay whole on every lane; under stage 2 only parameters do; under stage 3 nothing does (the units gathered for
+one forward or backward at a time are left out). With a memory model (a sample batch was profiled) each lane
+also keeps the activations of its batch share in flight.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def stage_zero_weights(plan: Plan, stage: int, capacity: list[float], activation
     """
     zero = plan.zero if zero is None else zero
     psi = stage_param_elements(plan, stage)
-    whole = psi * (PARAM_BYTES + (GRAD_BYTES if zero == 1 else 0))
-    sharded = psi * (OPTIM_BYTES + (GRAD_BYTES if zero >= 2 else 0))
+    whole = psi * ((PARAM_BYTES if zero <= 2 else 0) + (GRAD_BYTES if zero == 1 else 0))
+    sharded = psi * (OPTIM_BYTES + (GRAD_BYTES if zero >= 2 else 0) + (PARAM_BYTES if zero >= 3 else 0))
     act = activation or [0.0] * len(capacity)
     if len(capacity) != plan.lanes_of(stage) or len(act) != len(capacity):
         raise ValueError(f"stage {stage} has {plan.lanes_of(stage)} lanes; got {len(capacity)} capacities and "

@@ -11,6 +11,7 @@ SplitRuntime` (sharded modules and their rows), :class:`~whale.parallel.data.Gra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -62,10 +63,13 @@ class Engine(GradientUpdate):
     Attributes:
         plan: the plan (print it for a readable table); replaced, never mutated, by :meth:`rebalance` and
             :meth:`load_checkpoint`.
-        module: this rank's stage module (the whole model when there is one stage); original FQNs.
+        module: this rank's stage module (the whole model when there is one stage); original FQNs. Under
+            ZeRO-3 its sharded parameters are empty tensors outside a step: read them with
+            :meth:`full_state_dict` or inside ``engine.zero.whole()`` (collective).
         optimizer: the optimizer over this rank's parameters (attach LR schedulers to it); under ZeRO its groups
             hold this lane's slices of the stage's replicated parameters (:mod:`whale.parallel.zero`).
-        zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero>=1)``, else ``None``.
+        zero: this lane's :class:`~whale.parallel.zero.ZeroShards` under ``Config(zero=1 or 2)``, its
+            :class:`~whale.parallel.zero3.Zero3Shards` under ``Config(zero=3)``, else ``None``.
         offload: the :class:`~whale.runtime.offload.HostOffload` under ``Config(offload=...)``, else ``None``
             (the optimizer's groups then hold host masters).
         stage, lane: this rank's pipeline stage and data-parallel lane.
@@ -105,7 +109,8 @@ class Engine(GradientUpdate):
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
         self.optimizer = bind_optimizer(optimizer, self.module, full_params, self.split.origins)
         self.grad_sync, self.zero = build_grad_sync(plan, groups, self.mesh.lanes, self.mesh.tied,
-                                                    self.optimizer, ctx.config.bucket_cap_mb)  # ZeRO: parallel/zero.py
+                                                    self.optimizer, ctx.config.bucket_cap_mb,
+                                                    self.module)  # ZeRO: parallel/zero.py, zero3.py
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
         self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
@@ -121,6 +126,8 @@ class Engine(GradientUpdate):
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
         self.memory = MemoryMonitor.for_rank(self.module, self.optimizer, ctx, plan)  # whale.memory.memory_table
         self.offload = host_offload(self)  # optimizer state (and parameters) in host memory: runtime/offload.py
+        if self.zero is not None:
+            self.zero.tracker = self.memory.tracker  # ZeRO-3 reports each gather and free
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property
@@ -310,6 +317,8 @@ class Engine(GradientUpdate):
         finally:
             for m, training in modes:
                 m.training = training
+            if self.zero is not None:
+                self.zero.release()  # ZeRO-3: the root unit stays gathered after a forward
         names = list(metrics or {})
         values = self._global_sum([result.loss_sum] + [result.metric_sums.get(k, 0.0) for k in names])
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
@@ -341,7 +350,11 @@ class Engine(GradientUpdate):
     def state_dict(self) -> dict:
         """This rank's shard: ``{"model": stage state dict (original FQNs), "optimizer": ..., "step": n}``, and
         ``"loss_scale"`` (the scaler's state) under fp16."""
-        out = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
+        with self._whole():
+            model = self.module.state_dict()
+            if self.plan.zero >= 3:  # the gathered storage is freed on leaving
+                model = {k: v.clone() for k, v in model.items()}
+        out = {"model": model, "optimizer": self.optimizer.state_dict(), "step": self.steps_done}
         if self.precision.scaler is not None:
             out["loss_scale"] = self.precision.scaler.state_dict()
         return out
@@ -349,13 +362,19 @@ class Engine(GradientUpdate):
     def full_state_dict(self) -> dict:
         """The whole model's state dict (original names, CPU tensors) on rank 0; ``{}`` elsewhere.
         Collective: every rank must call it."""
-        return checkpoint.gather_full_state(self.module, self.plan, self.rank)
+        with self._whole():
+            return checkpoint.gather_full_state(self.module, self.plan, self.rank)
+
+    def _whole(self, write_back: bool = False):
+        """A context with whole parameters on this rank (ZeRO-3 gathers them: collective over the lanes)."""
+        return self.zero.whole(write_back) if self.zero is not None else contextlib.nullcontext()
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
         """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
         scaler = self.precision.scaler
-        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
-                        scaler.state_dict() if scaler is not None else None)
+        with self._whole():
+            checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
+                            scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
@@ -364,7 +383,8 @@ class Engine(GradientUpdate):
         Raises:
             CheckpointError: a missing shard or a checkpoint saved under another plan.
         """
-        restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
+        with self._whole(write_back=True):
+            restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
         if self.offload is not None:
             self.offload.refresh()  # the host masters from the loaded parameters
         self.steps_done = restored.step

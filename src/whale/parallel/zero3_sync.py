@@ -1,0 +1,73 @@
+"""ZeRO-3's place in a step: the stage's gradient reduction with :class:`~whale.parallel.zero3.Zero3Shards` for
+the parameters it shards and a :class:`~whale.parallel.data.GradSync` for those it leaves whole (split shards,
+parameters tied across stages)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from whale.parallel.data import GradSync
+from whale.parallel.zero import ShardedGradSync, ZeroShards, shard_buckets
+from whale.parallel.zero3 import Zero3Shards
+from whale.plan.plan import Plan
+from whale.plan.zero import zero_shard_weights
+
+
+class Zero3GradSync(ShardedGradSync):
+    """:class:`~whale.parallel.zero.ShardedGradSync` for the parameters ZeRO-3 leaves to buckets (split shards
+    plain; parameters tied across stages ZeRO-2-sharded over their tie group, :attr:`zero`), driving
+    :attr:`zero3` at the step's start, end and zeroing."""
+
+    zero3: Zero3Shards | None = None
+
+    def start_step(self) -> None:
+        """As :meth:`ShardedGradSync.start_step`, and ZeRO-3's gradient hooks."""
+        super().start_step()
+        if self.zero3 is not None:
+            self.zero3.start_step()
+
+    def finish(self) -> None:
+        """As :meth:`ShardedGradSync.finish`, then ZeRO-3's pieces' gradients."""
+        super().finish()
+        if self.zero3 is not None:
+            self.zero3.finish()
+
+    def zero_grad(self) -> None:
+        """As :meth:`ShardedGradSync.zero_grad`, and ZeRO-3's shard gradients."""
+        super().zero_grad()
+        if self.zero3 is not None:
+            self.zero3.zero_grad()
+
+
+def build_zero3(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer, bucket_cap_mb: float,
+                module: nn.Module) -> tuple[GradSync, Zero3Shards | ZeroShards | None]:
+    """The stage's gradient reduction under ZeRO-3: the lanes entry of ``param_groups``
+    (:func:`whale.runtime.groups.sync_sets`, first) is sharded over the stage's lanes by a
+    :class:`~whale.parallel.zero3.Zero3Shards` (shares: the stage's ``zero_weights``); parameters tied across
+    stages (``tied_groups``) keep whole values but their gradients and optimizer state are sliced over their tie
+    group as under ZeRO-2 (:func:`whale.parallel.zero.shard_buckets`); split shards are reduced as without ZeRO.
+    The optimizer's groups are re-pointed at this rank's pieces. Returns the sync and what the engine drives:
+    the ``Zero3Shards`` (holding the tied slices as ``tied``), else the tied ``ZeroShards`` (one lane), else
+    ``None``.
+
+    Raises:
+        ZeroError: an optimizer that is not elementwise.
+        Zero3Error: a unit whose parameters mix dtypes or devices.
+    """
+    lanes = lanes_group is not None and dist.get_world_size(lanes_group) > 1 and bool(param_groups[0][1])
+    sync = Zero3GradSync(param_groups[1:] if lanes else param_groups, bucket_cap_mb)
+    sync.zero = shard_buckets(plan, sync, None, tied_groups, set(), 2)
+    if not lanes:
+        if sync.zero is not None:
+            sync.zero.bind(optimizer)
+        return sync, sync.zero
+    stage = plan.coords(dist.get_rank())[0]
+    lane_weights = zero_shard_weights(plan, stage)
+    weights = [lane_weights[plan.coords(dist.get_global_rank(lanes_group, g))[1]]
+               for g in range(dist.get_world_size(lanes_group))]
+    sync.zero3 = Zero3Shards(module, param_groups[0][1], lanes_group, weights, plan.is_pipeline)
+    sync.zero3.tied = sync.zero
+    sync.zero3.start_step()
+    sync.zero3.bind(optimizer)
+    return sync, sync.zero3
