@@ -346,20 +346,22 @@ class Engine(GradientUpdate):
         Collective: every rank must call it."""
         return checkpoint.gather_full_state(self.module, self.plan, self.rank)
 
-    def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
-        """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        """Save checkpoint ``path/step-N`` (N = :attr:`steps_done`) that loads under any plan, atomically
+        (collective; :mod:`whale.runtime.checkpoint`); ``extra``: plain Python (data position, ...). Returns the
+        published directory."""
         scaler = self.precision.scaler
-        checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
-                        scaler.state_dict() if scaler is not None else None)
+        return checkpoint.save(path, self, extra or {}, scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
-        new plan); returns the saved ``extra``.
+        """Restore the latest complete checkpoint under ``path`` (saved under this plan or any other: weights,
+        optimizer state, step, RNG); returns the saved ``extra``. Under an unchanged rank layout the saved lane
+        shares come back in a new plan.
 
         Raises:
-            CheckpointError: a missing shard or a checkpoint saved under another plan.
+            CheckpointError: no complete checkpoint; a damaged file (named); another model or optimizer.
         """
-        restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
+        restored = checkpoint.load(path, self)
         self.steps_done = restored.step
         if self.precision.scaler is not None and restored.loss_scale is not None:
             self.precision.scaler.load_state_dict(restored.loss_scale)
