@@ -101,6 +101,9 @@ class Config:
             ``None`` (auto): on under an emulated cluster (which then enforces each device's memory, see
             :class:`whale.memory.monitor.EmulatedOutOfMemoryError`) and on CUDA (allocator statistics, free),
             off on plain CPU runs (the CPU tracker sees every operation: a few percent of step time).
+        timeout_s: seconds a collective may wait for its peers before it fails (the process group's
+            ``timeout``), so a rank that died or raised ends every rank instead of leaving them waiting; ``None``:
+            torch's default (10 min on gloo/NCCL). Applies when :func:`whale.init` creates the process group.
     """
 
     num_micro_batch: int = 1
@@ -119,6 +122,7 @@ class Config:
     loss_scale: LossScale = LossScale()
     activation_checkpoint: Any = None
     track_memory: bool | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -156,6 +160,9 @@ class Config:
         object.__setattr__(self, "activation_checkpoint", _checkpoint_spec(self.activation_checkpoint))
         if self.track_memory not in (None, True, False):
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for torch's "
+                              "default collective timeout")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -117,6 +117,13 @@ def latest(root: str | os.PathLike) -> Path | None:
     return root / step_name(steps[-1]) if steps else None
 
 
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directory under ``root`` as a string, or ``None`` (see :func:`latest`):
+    ``if whale.latest_checkpoint(dir): engine.load_checkpoint(dir)``."""
+    found = latest(root)
+    return os.fspath(found) if found is not None else None
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory to load from ``path`` (see :func:`latest`).
 
@@ -183,6 +190,10 @@ def saved_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], object]]:
 def read_tensors(ckpt: Path, request: dict) -> None:
     """Fill ``request`` (key -> preallocated tensor of the saved shape) from the DCP checkpoint in ``ckpt``,
     this process alone (no collective)."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(request, storage_reader=dcp.FileSystemReader(os.fspath(ckpt)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(request, storage_reader=dcp.FileSystemReader(os.fspath(ckpt)), no_dist=True)

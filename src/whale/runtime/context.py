@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,8 @@ def init(config: Config | None = None) -> Context:
     one-process group. Backend: ``config.backend`` or NCCL when CUDA is available, else gloo. Seeds torch's
     default CPU and CUDA generators with ``config.seed`` on every rank so models built next are identical
     (training forwards draw from streams of their own: see :mod:`whale.runtime.rng`). If a process group
-    already exists (tests, or a user who created it), it is reused.
+    already exists (tests, or a user who created it), it is reused. ``config.timeout_s`` becomes the group's
+    collective timeout.
 
     The returned context is also remembered as the default for :func:`whale.parallelize` (the way
     ``torch.distributed`` remembers its default group); pass ``ctx=`` there to be explicit.
@@ -59,10 +61,13 @@ def init(config: Config | None = None) -> Context:
     cuda = torch.cuda.is_available() and config.backend != "gloo"
     backend = config.backend or ("nccl" if cuda else "gloo")
     if not dist.is_initialized():
+        timeout = {"timeout": timedelta(seconds=config.timeout_s)} if config.timeout_s else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+    elif config.timeout_s:  # a group made by the caller: its collectives get this timeout from now on
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
