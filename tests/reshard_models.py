@@ -102,10 +102,10 @@ def whole_state(e) -> dict:
     return out
 
 
-def save_layout(rank, world, layout, root, steps=2):
-    """Train ``layout`` for ``steps`` steps and save it under ``root/layout``; returns the whole state, the
-    hyperparameters and the RNG state it saved."""
-    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0))
+def save_layout(rank, world, layout, root, steps=2, zero=0):
+    """Train ``layout`` (with ZeRO stage ``zero``) for ``steps`` steps and save it under ``root/layout``; returns
+    the whole state, the hyperparameters and the RNG state it saved."""
+    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, zero=zero))
     e = engine(layout, ctx)
     for b in batches(steps):
         e.step(b)
@@ -116,9 +116,10 @@ def save_layout(rank, world, layout, root, steps=2):
     return {"state": state, "lr": [g["lr"] for g in e.optimizer.param_groups], "rng": rng}
 
 
-def load_layouts(rank, world, layout, root, sources):
-    """Under ``layout``, load each of ``sources`` (fresh engine, another init) and return what it holds."""
-    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0))
+def load_layouts(rank, world, layout, root, sources, zero=0):
+    """Under ``layout`` (ZeRO stage ``zero``), load each of ``sources`` (fresh engine, another init) and return
+    what it holds."""
+    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, zero=zero))
     out = {}
     for source in sources:
         e = engine(layout, ctx, seed=100)

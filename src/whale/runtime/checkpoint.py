@@ -29,8 +29,13 @@ from whale.parallel.split_state import gather_full_state as gather_region
 from whale.plan.plan import Plan
 from whale.runtime import ckpt_store as store
 from whale.runtime.ckpt_store import CheckpointError
-from whale.runtime.fqn_state import StateMismatchError, load_whole_state, model_slots, whole_model_state, \
-    whole_optim_state
+from whale.runtime.fqn_state import (
+    StateMismatchError,
+    load_whole_state,
+    model_slots,
+    whole_model_state,
+    whole_optim_state,
+)
 
 __all__ = ["CheckpointError", "Restored", "save", "load", "gather_full_state", "latest"]
 
@@ -52,10 +57,11 @@ class Restored:
 
 
 def _layout(plan: Plan) -> dict:
-    """The rank layout: when it is unchanged, the saved lane shares are restored."""
+    """The rank layout and its devices: when both are unchanged, the saved lane shares are restored (another
+    cluster spec keeps the new plan's shares)."""
     return {"world_size": plan.world_size, "num_replicas": plan.num_replicas,
             "stages": [(tg.kind, tg.device_count, tg.modules) for tg in plan.task_graphs],
-            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts]}
+            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts], "devices": list(plan.devices)}
 
 
 def _meta(engine, step: int, extra: dict, loss_scale: dict | None) -> dict:
