@@ -95,17 +95,13 @@ def export(path: str, out: str) -> int:
     Raises:
         CheckpointError: no complete checkpoint, or a damaged file.
     """
-    import torch
     from safetensors.torch import save_file
 
     from whale.runtime import ckpt_store as store
-    from whale.runtime.fqn_state import MODEL
+    from whale.runtime.checkpoint import read_model_state
 
-    ckpt = store.resolve(path)
-    store.read_manifest(ckpt)
-    request = {k: torch.empty(s, dtype=d) for k, (s, d) in store.saved_tensors(ckpt).items() if k.startswith(MODEL)}
-    store.read_tensors(ckpt, request)
-    state = {k[len(MODEL):]: v.contiguous() for k, v in request.items()}
+    state = {k: v.contiguous() for k, v in read_model_state(path).items()}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    save_file(state, out, metadata={"format": "pt", "step": str(store.read_manifest(ckpt, False)["step"])})
+    step = store.read_manifest(store.resolve(path), False)["step"]
+    save_file(state, out, metadata={"format": "pt", "step": str(step)})
     return len(state)

@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.parallel.bridge import SplitRegion
-from whale.parallel.split_state import gather_full_state as gather_region
 from whale.plan.plan import Plan
 from whale.runtime import ckpt_store as store
 from whale.runtime.ckpt_store import CheckpointError
 from whale.runtime.fqn_state import (
+    MODEL,
     StateMismatchError,
     load_whole_state,
     model_slots,
@@ -37,7 +36,7 @@ from whale.runtime.fqn_state import (
     whole_optim_state,
 )
 
-__all__ = ["CheckpointError", "Restored", "save", "load", "gather_full_state", "latest"]
+__all__ = ["CheckpointError", "Restored", "save", "load", "gather_full_state", "read_model_state", "latest"]
 
 latest = store.latest
 
@@ -153,22 +152,18 @@ def load(path: str, engine) -> Restored:
                     meta.get("loss_scale"), os.fspath(ckpt))
 
 
-def _full_stage_state(module: nn.Module) -> dict:
-    """This stage's state dict with every split region's shards gathered whole under the original names
-    (``head.sharded.weight`` [size_r, d] -> ``head.weight`` [C, d]), CPU tensors. Collective over each
-    region's split group (every rank of the group calls it; regions and tensors in module order)."""
-    whole: dict[str, tuple[str, torch.Tensor]] = {}  # state key -> (original name, whole tensor)
-    done: dict[int, torch.Tensor] = {}  # a weight tied across regions is gathered once
-    for prefix, region in module.named_modules():
-        if isinstance(region, SplitRegion):
-            for name, t in gather_region(region.sharded, region.group, done).items():
-                key, orig = (f"{prefix}.sharded.{name}", f"{prefix}.{name}") if prefix else (f"sharded.{name}", name)
-                whole[key] = (orig, t)
-    out = {}
-    for key, t in module.state_dict().items():
-        key, t = whole.get(key, (key, t))
-        out[key] = t.detach().cpu()
-    return out
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (original FQNs, CPU tensors) from the latest complete checkpoint under
+    ``path``, in this process alone: loads into the unannotated model with ``strict=True``.
+
+    Raises:
+        CheckpointError: no complete checkpoint, or a damaged file (named).
+    """
+    ckpt = store.resolve(path)
+    store.read_manifest(ckpt)
+    request = {k: torch.empty(s, dtype=d) for k, (s, d) in store.saved_tensors(ckpt).items() if k.startswith(MODEL)}
+    store.read_tensors(ckpt, request)
+    return {k[len(MODEL):]: v for k, v in request.items()}
 
 
 def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
@@ -176,12 +171,11 @@ def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
     ``load_state_dict(strict=True)`` into the unparallelized model); ``{}`` on other ranks. Collective.
 
     Each stage's lane 0 contributes its stage; split shards are first all-gathered over their group with the
-    plan's (uneven) sizes, in replica 0 only (nested replicas hold the same shards).
+    plan's (uneven) sizes (:func:`whale.runtime.fqn_state.whole_model_state`).
     """
-    stage, lane = plan.coords(rank)
-    mine = _full_stage_state(module) if lane < plan.width_of(stage) else {}
-    if lane != 0:
-        mine = {}
+    _, lane = plan.coords(rank)
+    whole = whole_model_state(model_slots(module))
+    mine = {k[len(MODEL):]: v for k, v in whole.items()} if lane == 0 else {}
     if plan.world_size == 1:
         return mine
     parts = [None] * plan.world_size if rank == 0 else None

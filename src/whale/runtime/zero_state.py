@@ -29,31 +29,45 @@ def _keys(optimizer, pieces, group) -> list[tuple[str, bool]]:
     return sorted({tuple(k) for keys in everyone for k in keys})
 
 
+def _has(optimizer, pieces, key: str, n: int, group) -> torch.Tensor:
+    """Per owner parameter of the bucket: 1 when some rank's piece of it holds ``key`` (collective)."""
+    has = torch.zeros(n)
+    for pc in pieces:
+        if key in optimizer.state.get(pc.param, {}):
+            has[pc.index] = 1
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    return has
+
+
 @torch.no_grad()
 def _bucket_state(optimizer, zero, k: int) -> dict[tuple[int, str], torch.Tensor]:
-    """``{(owner index, key): whole tensor}`` for bucket ``k`` (collective over its group)."""
+    """``{(owner index, key): whole tensor}`` for bucket ``k`` (collective over its group); owners without
+    state (never stepped: frozen or unused) are left out, as one process holds no state for them."""
     b, bd, sources = zero.buckets[k], zero.bounds[k], zero.sources[k]
     pieces = [pc for pc in zero.pieces if pc.bucket == k]
     out = {}
     for key, per_element in _keys(optimizer, pieces, b.group):
+        has = _has(optimizer, pieces, key, len(b.params), b.group)
+        held = [pc for pc in pieces if key in optimizer.state.get(pc.param, {})]
         if per_element:
             flat = b.buf.new_zeros(b.grad_numel, device="cpu")
-            for pc in pieces:
+            for pc in held:
                 flat[pc.lo: pc.hi] = optimizer.state[pc.param][key].detach().reshape(-1).cpu()
             for g, src in enumerate(sources):
                 if bd[g] < bd[g + 1]:
                     dist.broadcast(flat[bd[g]: bd[g + 1]], src=src, group=b.group)
             for i, p in enumerate(b.params):
-                out[(i, key)] = flat[b.offsets[i]: b.offsets[i] + p.numel()].view_as(p).clone()
+                if has[i]:
+                    out[(i, key)] = flat[b.offsets[i]: b.offsets[i] + p.numel()].view_as(p).clone()
         else:
             steps = torch.zeros(len(b.params), dtype=torch.float64)
-            for pc in pieces:
+            for pc in held:
                 steps[pc.index] = float(optimizer.state[pc.param][key])
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=b.group)
-            like = next((optimizer.state[pc.param][key] for pc in pieces if key in optimizer.state[pc.param]), None)
-            dtype = like.dtype if like is not None else torch.float32
+            dtype = optimizer.state[held[0].param][key].dtype if held else torch.float32
             for i in range(len(b.params)):
-                out[(i, key)] = torch.tensor(steps[i].item(), dtype=dtype)
+                if has[i]:
+                    out[(i, key)] = torch.tensor(steps[i].item(), dtype=dtype)
     return out
 
 
