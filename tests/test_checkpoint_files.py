@@ -163,3 +163,26 @@ def test_a_rank_left_waiting_stops_within_the_timeout():
 def test_config_refuses_a_bad_timeout():
     with pytest.raises(wh.ConfigError, match="timeout_s"):
         wh.Config(timeout_s=0)
+
+
+def test_peer_failures_are_told_apart_from_first_errors():
+    from whale.runtime.failures import is_peer_failure
+
+    assert is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:45209. This is"))
+    assert is_peer_failure(RuntimeError("[pair.cc:534] Timed out waiting 3000ms for recv operation to complete"))
+    assert not is_peer_failure(RuntimeError("injected failure on rank 1 at step 3"))
+    assert not is_peer_failure(ValueError("timed out"))
+
+
+@pytest.mark.slow
+def test_a_raising_rank_ends_the_launched_job_and_its_error_is_printed_once():
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "whale.cli", "launch", "-n", "2", str(ROOT / "benchmarks/_raise_job.py"),
+           "--raise-rank", "1", "--raise-step", "2", "--timeout", "5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    end = time.time()
+    raised = float(out.split("RAISE_AT ")[1].split()[0])
+    assert proc.returncode == 1 and end - raised < 5 + 10
+    assert out.count("RuntimeError: injected failure on rank 1") == 1
+    assert "rank 1 failed first (exit code 1)" in out
