@@ -72,9 +72,9 @@ def _killed_run(tmp: Path, name: str, kill_at: int, args, rng: random.Random) ->
         m = re.match(r"step (\d+)/", line)
         if m:
             last = int(m.group(1))
-        r = re.search(r"resumed after a restart from .* at step (\d+)", line)
+        r = re.search(r"resumed after a restart from .* at step (\d+)|restarted with no complete checkpoint", line)
         if r:
-            resumed = int(r.group(1))
+            resumed = int(r.group(1) or 0)
         if killed is None and last >= kill_at:
             victims = _workers(proc.pid)
             if victims:

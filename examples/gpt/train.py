@@ -192,6 +192,8 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
     failure: ``TORCHELASTIC_RESTART_COUNT`` > 0) and one exists; returns (start step, history)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not ((args.resume or restarted) and wh.latest_checkpoint(args.ckpt_dir)):
+        if restarted and engine.rank == 0:
+            print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
         return 0, {}
     extra = engine.load_checkpoint(args.ckpt_dir)
     batches.load_state_dict(extra["data"])
