@@ -47,7 +47,8 @@ def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
     assert "resum" in out.lower() and "keeps the checkpoint's horizon" in out
     second = json.loads((tmp_path / "summary.json").read_text())
     assert second["steps"] == 8
-    assert (tmp_path / "ckpt" / "model.pt").exists() and (tmp_path / "ckpt" / "plan.json").exists()
+    assert (tmp_path / "ckpt" / "step-00000008" / "whale.json").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008"
 
 
 def test_a_longer_resumed_run_keeps_the_learning_rate_schedule():

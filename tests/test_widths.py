@@ -19,6 +19,7 @@ from tests.distributed import run_ranks
 from tests.models import TinyLM, lm_batches, mse_side_by_side
 from whale.plan.layout import Peer
 from whale.plan.plan import Plan, PlanError, TaskGraph
+from whale.runtime.checkpoint import read_model_state
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -212,7 +213,7 @@ def _checkpoint(rank, world, path):
         ref_opt.step()
     engine.save_checkpoint(path)
     extra = engine.load_checkpoint(path)
-    full = torch.load(f"{path}/model.pt", weights_only=True) if rank == 0 else {}
+    full = read_model_state(path) if rank == 0 else {}
     for name, t in full.items():
         torch.testing.assert_close(t, ref.state_dict()[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
     return sorted(full), extra, engine.plan.stage_lane_weights

@@ -44,6 +44,7 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
+from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
@@ -77,7 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
     a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from --ckpt-dir if it holds a checkpoint")
+    a("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir, if any, under "
+      "this run's plan (another world size, --stages or cluster re-plans and reshards it); a job restarted by "
+      "whale launch --max-restarts resumes by itself")
+    a("--timeout", type=float, default=None,
+      help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
+    a("--log-every", type=int, default=25, help="log line every N steps when not showing a progress bar")
     a("--sample-tokens", type=int, default=120, help="tokens to generate at the end (0: none)")
     a("--prompt", default="Ham.\n", help="prompt for the generated sample")
     a("--seed", type=int, default=1337)
@@ -104,21 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--no-progress", action="store_true",
       help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
     return p.parse_args(argv)
-
-
-def checkpoint_spec(value: str | None):
-    """``--activation-checkpoint`` as ``Config.activation_checkpoint``: None, ``"all"``, or a tuple of names
-    and TaskGraph indices (digits) from a comma list."""
-    if value is None or value == "all":
-        return value
-    return tuple(int(v) if v.strip().isdigit() else v.strip() for v in value.split(",") if v.strip())
-
-
-def forbid_spec(value: str) -> tuple[str, ...]:
-    """``--forbid`` as ``Config.forbid``: a tuple of names; ``all`` forbids every technique."""
-    from whale.plan.memory import FORBIDDEN
-
-    return FORBIDDEN if value.strip() == "all" else tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
@@ -196,13 +187,18 @@ def save(engine: wh.Engine, args, step: int, batches: TokenBatches, state: dict)
 
 
 def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
-    """Restore the latest checkpoint when ``--resume`` and one exists; returns (start step, history)."""
-    if not (args.resume and (Path(args.ckpt_dir) / "plan.json").exists()):
+    """Restore the latest complete checkpoint when ``--resume`` (or when torchrun restarted this job after a
+    failure: ``TORCHELASTIC_RESTART_COUNT`` > 0) and one exists; returns (start step, history)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not ((args.resume or restarted) and wh.latest_checkpoint(args.ckpt_dir)):
+        if restarted and engine.rank == 0:
+            print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
         return 0, {}
     extra = engine.load_checkpoint(args.ckpt_dir)
     batches.load_state_dict(extra["data"])
     if engine.rank == 0:
-        print(f"resumed from {args.ckpt_dir} at step {extra['step']}", flush=True)
+        why = " after a restart" if restarted else ""
+        print(f"resumed{why} from {wh.latest_checkpoint(args.ckpt_dir)} at step {extra['step']}", flush=True)
     return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
 
 
@@ -236,7 +232,7 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
         scalars.step(step + 1, m["loss"], tok_s, lr)
         bar.update(1)
         done = step + 1
-        if plain and rank0 and (done % 25 == 0 or done == end):
+        if plain and rank0 and (done % args.log_every == 0 or done == end):
             print(f"step {done}/{args.steps} loss {m['loss']:.4f} tok/s {tok_s:,.0f}", flush=True)
         if (args.eval_every and done % args.eval_every == 0) or done == end:
             v = evaluate(engine, val_tokens, args)
@@ -306,7 +302,8 @@ def run(argv: list[str] | None = None) -> None:
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
                             cluster=args.cluster, precision=args.precision, zero=args.zero, offload=args.offload,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
-                            track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid)))
+                            track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid),
+                            timeout_s=args.timeout))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))

@@ -34,14 +34,15 @@ _LAZY = {
     "BatchError": "whale.runtime.batch", "OptimizerError": "whale.runtime.optim",
     "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
     "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
+    "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
 }
 
 __all__ = [
-    "AnnotationError", "BatchError", "Config", "ConfigError", "Context", "EmulatedOutOfMemoryError", "Engine",
-    "LossScale", "OptimizerError", "Plan", "PlanError", "PlanSampler", "ScheduleError", "ShardedLogits", "SplitError",
-    "StageError", "SumOverCount", "accuracy", "annotate", "cross_entropy", "init", "local_rows", "make_schedule",
-    "memory_table", "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy",
-    "split", "token_cross_entropy",
+    "AnnotationError", "BatchError", "CheckpointError", "Config", "ConfigError", "Context",
+    "EmulatedOutOfMemoryError", "Engine", "LossScale", "OptimizerError", "Plan", "PlanError", "PlanSampler",
+    "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
+    "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "parallelize",
+    "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from whale.checkpoint_cli import add_checkpoint
 from whale.plan_cli import add_plan
 
 _LAUNCH_EPILOG = """\
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     _add_launch(sub)
     add_plan(sub)
+    add_checkpoint(sub)
     return parser
 
 

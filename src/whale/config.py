@@ -115,6 +115,9 @@ class Config:
             on the host between steps and are copied to the device for each step's forward and backward (needs
             ``zero=0``). Host bytes are measured apart from device bytes and, under an emulated cluster, bounded
             by each node's ``host_memory_bytes`` shared by its ranks (:mod:`whale.runtime.offload`).
+        timeout_s: seconds a collective may wait for its peers before it fails (the process group's
+            ``timeout``), so a rank that died or raised ends every rank instead of leaving them waiting; ``None``:
+            torch's default (10 min on gloo/NCCL). Applies when :func:`whale.init` creates the process group.
     """
 
     num_micro_batch: int = 1
@@ -135,6 +138,7 @@ class Config:
     track_memory: bool | None = None
     forbid: tuple[str, ...] = ()
     offload: OffloadName = "none"
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -182,6 +186,9 @@ class Config:
             raise ConfigError(f"offload='optimizer+params' with zero={self.zero}: whole parameters cannot stay on "
                               "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "
                               "slice of the optimizer state) or zero=0")
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for torch's "
+                              "default collective timeout")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -34,8 +34,9 @@ ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (grad
 gradients until then, :mod:`whale.parallel.zero`) into the lane's persistent slice: its *peak* holds both (it
 saves memory between steps and during the optimizer step, not at the peak). ZeRO-3 reduce-scatters each
 unit's gradients after its backward. The offloaded host keeps fp32 masters, gradient copies and the optimizer
-state of the lane's slice (:mod:`whale.runtime.offload`; not with ZeRO-3); ``"optimizer+params"`` (``zero=0`` only) also keeps the parameters on the host
-between steps, but brings the whole stage to the device for the step, so it does not lower the step's peak.
+state of the lane's slice (:mod:`whale.runtime.offload`; not with ZeRO-3); ``"optimizer+params"`` (``zero=0``
+only) also keeps the parameters on the host between steps, but brings the whole stage to the device for the
+step, so it does not lower the step's peak.
 
 Step time per option (seconds on the slowest rank, :func:`step_seconds`; compared, not predicted to the
 millisecond): each rank's rows x its stage's training FLOPs at its device's speed (the lane shares are those

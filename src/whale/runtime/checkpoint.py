@@ -1,13 +1,18 @@
-"""Checkpoints: every rank saves its own shard; loading uses ``torch.load(weights_only=True)``.
+"""Checkpoints that load under any plan: ``torch.distributed.checkpoint`` (DCP) files of whole tensors keyed by
+the unannotated model's FQNs, published atomically.
 
-Layout of a checkpoint directory::
+What a checkpoint holds (see :mod:`whale.runtime.fqn_state` for the keys and :mod:`whale.runtime.ckpt_store`
+for the directory layout and the atomic save): every parameter and buffer whole, once (split shards gathered
+over their group, replicas written by their stage's first lane only, a weight tied across stages under each of
+its names); the optimizer state per parameter whole under the parameter's canonical FQN (ZeRO slices
+assembled); the optimizer's param-group hyperparameters by group index; the step; the user streams' RNG state
+of rank 0 (the same on every rank, :mod:`whale.runtime.rng`); fp16's loss-scaler state; the user's ``extra``
+(plain Python, e.g. the data position and LR-scheduler ``state_dict()``); and the plan it was saved under.
 
-    plan.json            the plan it was saved under (a different plan refuses to load, with the reason)
-    rank00000.pt ...     per rank: model shard (original FQNs), optimizer, step, RNG states, user ``extra``
-    model.pt             the consolidated full model state dict (written by rank 0) for inference/export
-
-``extra`` must be plain Python data (numbers, strings, lists, dicts, tensors) so it loads with
-``weights_only=True``.
+Loading under another plan (other world size, stages, shard sizes, ZeRO) works because each rank reads the
+whole tensors its new stage needs and cuts its own shard and ZeRO range from them; the lane shares of the saved
+plan come back only when the rank layout is unchanged (they are a measured speed setting of that layout).
+The per-lane dropout streams need no state: they are derived from the seed and the step.
 """
 
 from __future__ import annotations
@@ -19,109 +24,146 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.parallel.bridge import SplitRegion
-from whale.parallel.split_state import gather_full_state as gather_region
 from whale.plan.plan import Plan
+from whale.runtime import ckpt_store as store
+from whale.runtime.ckpt_store import CheckpointError
+from whale.runtime.fqn_state import (
+    MODEL,
+    StateMismatchError,
+    load_whole_state,
+    model_slots,
+    whole_model_state,
+    whole_optim_state,
+)
 
+__all__ = ["CheckpointError", "Restored", "save", "load", "gather_full_state", "read_model_state", "latest"]
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing or was saved under a different plan."""
+latest = store.latest
 
 
 @dataclass(frozen=True)
 class Restored:
-    """What :func:`load` brings back besides tensors: the ``step`` count, the user's ``extra`` and the
-    ``lane_weights`` (``stage_lane_weights`` for stages of different widths) the checkpoint ran with (a speed
-    setting, not a layout: a re-balanced run resumes with them)."""
+    """What :func:`load` brings back besides tensors: the ``step`` count, the user's ``extra``, the directory
+    it was read from, and the ``lane_weights`` (``stage_lane_weights``) to resume with (the saved ones under an
+    unchanged rank layout, else the current plan's)."""
 
     step: int
     extra: dict
     lane_weights: tuple[float, ...]
     stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     loss_scale: dict | None = None  # fp16: the dynamic loss scaler's state (runtime/precision.py)
+    path: str = ""
 
 
-def _rank_file(path: str, rank: int) -> str:
-    return os.path.join(path, f"rank{rank:05d}.pt")
-
-
-def _holdings(plan: Plan) -> dict:
-    """What must match for a checkpoint to load: the rank layout and who holds which tensors."""
+def _layout(plan: Plan) -> dict:
+    """The rank layout and its devices: when both are unchanged, the saved lane shares are restored (another
+    cluster spec keeps the new plan's shares)."""
     return {"world_size": plan.world_size, "num_replicas": plan.num_replicas,
-            "num_micro_batch": plan.num_micro_batch,
             "stages": [(tg.kind, tg.device_count, tg.modules) for tg in plan.task_graphs],
-            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts],
-            "zero": (plan.zero, plan.zero_weights)}  # ZeRO: each rank's optimizer state is its own slice
+            "stage_cuts": [(c.params, c.buffers) for c in plan.stage_cuts], "devices": list(plan.devices)}
 
 
-def save(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int, step: int,
-         extra: dict, loss_scale: dict | None = None) -> None:
-    """Write this rank's shard (collective: every rank calls it; rank 0 also writes plan.json and model.pt);
-    ``loss_scale``: fp16's scaler state, if any."""
-    os.makedirs(path, exist_ok=True)
-    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-             "rng": {"torch": torch.get_rng_state()}, "extra": extra, "plan": plan.to_json()}
-    if loss_scale is not None:
-        state["loss_scale"] = loss_scale
-    if torch.cuda.is_available():
-        state["rng"]["cuda"] = torch.cuda.get_rng_state()
-    tmp = _rank_file(path, rank) + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, _rank_file(path, rank))
-    full = gather_full_state(module, plan, rank)
+def _meta(engine, step: int, extra: dict, loss_scale: dict | None) -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if engine.ctx.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(engine.ctx.device)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    return {"step": step, "extra": extra, "rng": rng, "loss_scale": loss_scale, "param_groups": groups}
+
+
+def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: int = 2) -> str:
+    """Save ``engine``'s state as checkpoint ``step-N`` under ``path`` (N: ``engine.steps_done``). Collective:
+    every rank calls it. ``extra`` must be plain Python data (loads with ``weights_only=True``); ``keep``: how
+    many complete checkpoints stay (older ones are removed once this one is published).
+
+    Returns:
+        The published directory, e.g. ``path/step-00000040``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    step, plan, rank = engine.steps_done, engine.plan, engine.rank
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    slots = model_slots(engine.module)
+    state = whole_model_state(slots)  # collectives first, in the same order on every rank
+    state.update(whole_optim_state(engine.optimizer, slots, plan, engine.zero))
+    if engine.lane != 0:
+        state = {}  # the stage's first lane writes it (after the gathers its tensors are whole)
     if rank == 0:
-        torch.save(full, os.path.join(path, "model.pt"))
-        with open(os.path.join(path, "plan.json"), "w") as f:
-            f.write(plan.to_json(indent=2))
-    if plan.world_size > 1:
+        tmp = store.begin(path, step)
+        torch.save(_meta(engine, step, extra, loss_scale), tmp / store.META)
+    if many:
         dist.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(store.tmp_dir(path, step))))
+    final = ""
+    if rank == 0:
+        info = {"format": "whale-dcp-1", "world_size": plan.world_size, "plan": plan.to_json()}
+        final = os.fspath(store.publish(path, step, info, keep))
+    if many:
+        dist.barrier()
+    return final or os.fspath(store.tmp_dir(path, step).with_name(store.step_name(step)))
 
 
-def load(path: str, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, rank: int) -> Restored:
-    """Restore this rank's shard, optimizer and RNG.
+def read_meta(ckpt) -> dict:
+    """``whale.pt`` of a (verified) checkpoint directory, read with ``weights_only=True``.
 
     Raises:
-        CheckpointError: the directory has no shard for this rank, or it was saved under another plan.
+        CheckpointError: the file does not unpickle as plain data (naming it).
     """
-    f = _rank_file(path, rank)
-    if not os.path.exists(f):
-        raise CheckpointError(f"no checkpoint shard {f}: was {path!r} saved with {plan.world_size} ranks?")
-    state = torch.load(f, map_location="cpu", weights_only=True)
+    f = ckpt / store.META
     try:
-        saved = Plan.from_json(state["plan"])
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path!r} holds a plan this Whale version cannot read ({exc}); it was "
-                              "saved by another version") from None
-    before, now = _holdings(saved), _holdings(plan)
-    if before != now:
-        diff = [k for k in now if before.get(k) != now[k]]
-        raise CheckpointError(f"checkpoint {path!r} was saved under a different plan (differs in {diff}); "
-                              "resume with the same world size, annotations and micro-batches")
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return Restored(int(state.get("step", 0)), state["extra"], saved.lane_weights, saved.stage_lane_weights,
-                    state.get("loss_scale"))
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
+        raise CheckpointError(f"checkpoint file {f} cannot be read as plain data ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); load an earlier step directory") from None
 
 
-def _full_stage_state(module: nn.Module) -> dict:
-    """This stage's state dict with every split region's shards gathered whole under the original names
-    (``head.sharded.weight`` [size_r, d] -> ``head.weight`` [C, d]), CPU tensors. Collective over each
-    region's split group (every rank of the group calls it; regions and tensors in module order)."""
-    whole: dict[str, tuple[str, torch.Tensor]] = {}  # state key -> (original name, whole tensor)
-    done: dict[int, torch.Tensor] = {}  # a weight tied across regions is gathered once
-    for prefix, region in module.named_modules():
-        if isinstance(region, SplitRegion):
-            for name, t in gather_region(region.sharded, region.group, done).items():
-                key, orig = (f"{prefix}.sharded.{name}", f"{prefix}.{name}") if prefix else (f"sharded.{name}", name)
-                whole[key] = (orig, t)
-    out = {}
-    for key, t in module.state_dict().items():
-        key, t = whole.get(key, (key, t))
-        out[key] = t.detach().cpu()
-    return out
+def load(path: str, engine) -> Restored:
+    """Restore ``engine``'s parameters, optimizer state, RNG from the latest complete checkpoint under ``path``
+    (or ``path`` itself when it is a step directory), whatever plan saved it. No collective: every rank reads
+    what it needs.
+
+    Raises:
+        CheckpointError: no complete checkpoint; a missing, truncated or corrupted file (named); a checkpoint of
+            another model (missing tensors or other shapes) or an optimizer with another number of param groups.
+    """
+    ckpt = store.resolve(path)
+    info = store.read_manifest(ckpt)
+    meta = read_meta(ckpt)
+    saved_groups = meta["param_groups"]
+    if len(saved_groups) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {ckpt} has {len(saved_groups)} optimizer param group(s) but this "
+                              f"optimizer has {len(engine.optimizer.param_groups)}; build the optimizer with the "
+                              "groups it was trained with")
+    try:
+        load_whole_state(model_slots(engine.module), engine.optimizer, engine.plan,
+                         lambda request: store.read_tensors(ckpt, request), store.saved_tensors(ckpt),
+                         os.fspath(ckpt), engine.zero)
+    except StateMismatchError as exc:
+        raise CheckpointError(str(exc)) from None
+    for group, hyper in zip(engine.optimizer.param_groups, saved_groups, strict=True):
+        group.update(hyper)
+    torch.set_rng_state(meta["rng"]["torch"])
+    if "cuda" in meta["rng"] and engine.ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(meta["rng"]["cuda"], engine.ctx.device)
+    saved = Plan.from_json(info["plan"])
+    same = _layout(saved) == _layout(engine.plan)
+    plan = saved if same else engine.plan
+    return Restored(int(meta["step"]), meta["extra"], plan.lane_weights, plan.stage_lane_weights,
+                    meta.get("loss_scale"), os.fspath(ckpt))
+
+
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (original FQNs, CPU tensors) from the latest complete checkpoint under
+    ``path``, in this process alone: loads into the unannotated model with ``strict=True``.
+
+    Raises:
+        CheckpointError: no complete checkpoint, or a damaged file (named).
+    """
+    ckpt = store.resolve(path)
+    store.read_manifest(ckpt)
+    request = {k: torch.empty(s, dtype=d) for k, (s, d) in store.saved_tensors(ckpt).items() if k.startswith(MODEL)}
+    store.read_tensors(ckpt, request)
+    return {k[len(MODEL):]: v for k, v in request.items()}
 
 
 def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
@@ -129,12 +171,11 @@ def gather_full_state(module: nn.Module, plan: Plan, rank: int) -> dict:
     ``load_state_dict(strict=True)`` into the unparallelized model); ``{}`` on other ranks. Collective.
 
     Each stage's lane 0 contributes its stage; split shards are first all-gathered over their group with the
-    plan's (uneven) sizes, in replica 0 only (nested replicas hold the same shards).
+    plan's (uneven) sizes (:func:`whale.runtime.fqn_state.whole_model_state`).
     """
-    stage, lane = plan.coords(rank)
-    mine = _full_stage_state(module) if lane < plan.width_of(stage) else {}
-    if lane != 0:
-        mine = {}
+    _, lane = plan.coords(rank)
+    whole = whole_model_state(model_slots(module))
+    mine = {k[len(MODEL):]: v for k, v in whole.items()} if lane == 0 else {}
     if plan.world_size == 1:
         return mine
     parts = [None] * plan.world_size if rank == 0 else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from whale.cluster import ClusterSpec
 from whale.config import Config
 from whale.frontend.planning import resolve_cluster
+from whale.runtime import failures
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ def init(config: Config | None = None) -> Context:
     one-process group. Backend: ``config.backend`` or NCCL when CUDA is available, else gloo. Seeds torch's
     default CPU and CUDA generators with ``config.seed`` on every rank so models built next are identical
     (training forwards draw from streams of their own: see :mod:`whale.runtime.rng`). If a process group
-    already exists (tests, or a user who created it), it is reused.
+    already exists (tests, or a user who created it), it is reused. ``config.timeout_s`` becomes the group's
+    collective timeout.
 
     The returned context is also remembered as the default for :func:`whale.parallelize` (the way
     ``torch.distributed`` remembers its default group); pass ``ctx=`` there to be explicit.
@@ -59,11 +62,15 @@ def init(config: Config | None = None) -> Context:
     cuda = torch.cuda.is_available() and config.backend != "gloo"
     backend = config.backend or ("nccl" if cuda else "gloo")
     if not dist.is_initialized():
+        timeout = {"timeout": timedelta(seconds=config.timeout_s)} if config.timeout_s else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout, **_restart_store())
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+    elif config.timeout_s:  # a group made by the caller: its collectives get this timeout from now on
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
+    failures.install(rank, world)  # a rank stopped by a peer's failure prints one line, not a traceback
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local)
@@ -74,6 +81,19 @@ def init(config: Config | None = None) -> Context:
     ctx = Context(config, rank, world, device, resolve_cluster(config.cluster, world))
     _CURRENT[:] = [ctx]
     return ctx
+
+
+def _restart_store() -> dict:
+    """Under torchrun after an elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0), the agent's store with a
+    prefix of this attempt, as ``init_process_group`` arguments: the restarted workers otherwise share the keys
+    of the failed attempt and gloo tries to connect to the dead workers' addresses ("Connection refused")."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return {"store": dist.PrefixStore(f"/whale/{run}/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def current_context() -> Context:

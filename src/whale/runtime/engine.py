@@ -369,22 +369,24 @@ class Engine(GradientUpdate):
         """A context with whole parameters on this rank (ZeRO-3 gathers them: collective over the lanes)."""
         return self.zero.whole(write_back) if self.zero is not None else contextlib.nullcontext()
 
-    def save_checkpoint(self, path: str, extra: dict | None = None) -> None:
-        """Every rank writes its shard, RNG state and ``extra`` (plain Python) under ``path`` (collective)."""
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        """Save checkpoint ``path/step-N`` (N = :attr:`steps_done`) that loads under any plan, atomically
+        (collective; :mod:`whale.runtime.checkpoint`); ``extra``: plain Python (data position, ...). Returns the
+        published directory."""
         scaler = self.precision.scaler
         with self._whole():
-            checkpoint.save(path, self.module, self.optimizer, self.plan, self.rank, self.steps_done, extra or {},
-                            scaler.state_dict() if scaler is not None else None)
+            return checkpoint.save(path, self, extra or {}, scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what :meth:`save_checkpoint` wrote (same plan layout; the saved lane shares come back in a
-        new plan); returns the saved ``extra``.
+        """Restore the latest complete checkpoint under ``path`` (saved under this plan or any other: weights,
+        optimizer state, step, RNG); returns the saved ``extra``. Under an unchanged rank layout the saved lane
+        shares come back in a new plan.
 
         Raises:
-            CheckpointError: a missing shard or a checkpoint saved under another plan.
+            CheckpointError: no complete checkpoint; a damaged file (named); another model or optimizer.
         """
         with self._whole(write_back=True):
-            restored = checkpoint.load(path, self.module, self.optimizer, self.plan, self.rank)
+            restored = checkpoint.load(path, self)
         if self.offload is not None:
             self.offload.refresh()  # the host masters from the loaded parameters
         self.steps_done = restored.step

@@ -162,6 +162,17 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _failure_summary(e) -> str:
+    """One line for torchrun's ``ChildFailedError``: the rank that failed first (its own error is printed above,
+    once, by that rank) and how many others were stopped after it (instead of torchrun's table of every rank)."""
+    rank, first = e.get_first_failure()
+    code = first.exitcode
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    others = len(e.failures) - 1
+    tail = f"; {others} other rank(s) were stopped after it" if others else ""
+    return f"{e.name} FAILED: rank {rank} failed first ({how}); its error is printed above{tail}"
+
+
 def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
     """Run torchrun in this process with ``env`` as the environment; return a shell-style exit code.
 
@@ -182,7 +193,7 @@ def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
         torchrun_main(list(args))
         return 0
     except ChildFailedError as e:
-        print(str(e), file=sys.stderr, flush=True)
+        print(_failure_summary(e), file=sys.stderr, flush=True)
         return _exit_code(e.get_first_failure()[1].exitcode) or 1
     except SignalException as e:
         return 128 + int(e.sigval)

@@ -1,0 +1,199 @@
+"""A checkpoint directory: atomic publication of DCP saves, a manifest, and finding the latest complete one.
+
+Layout of ``ROOT`` (the path given to ``save_checkpoint``/``load_checkpoint``)::
+
+    ROOT/latest               text: the name of the newest complete step directory (written last, os.replace)
+    ROOT/step-00000040/       one complete checkpoint
+        __0_0.distcp ...      torch.distributed.checkpoint data files (one per writing rank)
+        .metadata             DCP's index of the tensors
+        whale.pt              step, RNG, optimizer hyperparameters, user ``extra`` (rank 0; weights_only)
+        whale.json            the completion marker, written after everything else: plan, step, world size,
+                              and the byte size and SHA-256 of every other file
+    ROOT/.tmp-step-00000050/  a save in progress (or killed): never read, removed by the next save
+
+A save writes into ``.tmp-step-N``, then renames it to ``step-N`` (atomic on one file system) and then points
+``latest`` at it, so a save killed at any moment leaves the previous checkpoint loadable. Loading verifies every
+file against the manifest before reading any, so a truncated or corrupted file is reported by name and DCP's
+pickled ``.metadata`` is only read when it is the file that was written; tensors are read with
+``weights_only=True``. Older step directories beyond ``keep`` are removed after publishing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+MARKER, META = "whale.json", "whale.pt"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted, or does not fit this model."""
+
+
+def step_name(step: int) -> str:
+    """``step-00000042``: the directory of step ``step`` (sorted names sort by step)."""
+    return f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def begin(root: str | os.PathLike, step: int) -> Path:
+    """Rank 0, before a save: an empty ``ROOT/.tmp-step-N`` (stale temporary directories removed)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{step_name(step)}"
+    tmp.mkdir()
+    return tmp
+
+
+def tmp_dir(root: str | os.PathLike, step: int) -> Path:
+    """The temporary directory :func:`begin` makes for ``step`` (other ranks write into it too)."""
+    return Path(root) / f".tmp-{step_name(step)}"
+
+
+def publish(root: str | os.PathLike, step: int, info: dict, keep: int = 2) -> Path:
+    """Rank 0, after every rank's data is in the temporary directory: write the manifest (``info`` plus file
+    sizes and hashes), rename the directory to ``step-N``, point ``latest`` at it, drop older ones beyond
+    ``keep``. Returns the published directory."""
+    root, tmp = Path(root), tmp_dir(root, step)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+    _fsync_write(tmp / MARKER, json.dumps({**info, "step": step, "files": files}, indent=1))
+    final = root / step_name(step)
+    if final.exists():  # the same step saved again (a resumed run): the new one replaces it
+        trash = root / f".tmp-old-{step_name(step)}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_write(root / "latest", final.name + "\n")
+    for old in complete_steps(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(root / step_name(old), ignore_errors=True)
+    return final
+
+
+def complete_steps(root: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints under ``root`` (those with a manifest), ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _STEP.match(d.name))]
+    return sorted(s for s, d in found if (d / MARKER).is_file())
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory under ``root``, or ``root`` itself when it is one; ``None`` when
+    there is none. ``latest`` is followed when it names a complete one, else the highest complete step wins."""
+    root = Path(root)
+    if (root / MARKER).is_file():
+        return root
+    pointer = root / "latest"
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP.match(name) and (root / name / MARKER).is_file():
+            return root / name
+    steps = complete_steps(root)
+    return root / step_name(steps[-1]) if steps else None
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directory under ``root`` as a string, or ``None`` (see :func:`latest`):
+    ``if whale.latest_checkpoint(dir): engine.load_checkpoint(dir)``."""
+    found = latest(root)
+    return os.fspath(found) if found is not None else None
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory to load from ``path`` (see :func:`latest`).
+
+    Raises:
+        CheckpointError: nothing complete there (naming what was found: old per-rank files, an unfinished save).
+    """
+    found = latest(path)
+    if found is not None:
+        return found
+    root = Path(path)
+    what = "does not exist" if not root.exists() else "holds no complete checkpoint"
+    hint = ""
+    if root.is_dir():
+        names = sorted(p.name for p in root.iterdir())
+        if any(n.startswith("rank") and n.endswith(".pt") for n in names):
+            hint = (" (it holds per-rank rankNNNNN.pt files of the older Whale format, which is not read; "
+                    "train again, or load them with the Whale version that wrote them)")
+        elif any(n.startswith(".tmp-step-") for n in names):
+            hint = " (only an unfinished save, .tmp-step-*, which is never loaded)"
+    raise CheckpointError(f"checkpoint directory {os.fspath(path)!r} {what}{hint}; save one with "
+                          "engine.save_checkpoint first")
+
+
+def read_manifest(ckpt: Path, verify: bool = True) -> dict:
+    """The manifest of checkpoint directory ``ckpt``; with ``verify``, every listed file is checked for its size
+    and SHA-256.
+
+    Raises:
+        CheckpointError: an unreadable manifest, or a missing, truncated or corrupted file (named).
+    """
+    try:
+        info = json.loads((ckpt / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint manifest {ckpt / MARKER} is unreadable ({exc}); the checkpoint is "
+                              "damaged: load an earlier step directory") from None
+    if not verify:
+        return info
+    for name, want in info.get("files", {}).items():
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing; the checkpoint is damaged: load an earlier "
+                                  "step directory")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} is truncated or altered: {size} bytes, the manifest says "
+                                  f"{want['bytes']}; load an earlier step directory")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupted (SHA-256 differs from the manifest); load an "
+                                  "earlier step directory")
+    return info
+
+
+def saved_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], object]]:
+    """Every tensor of the DCP checkpoint in ``ckpt``: key -> ``(shape, dtype)`` (read from DCP's metadata;
+    verify the directory first with :func:`read_manifest`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(os.fspath(ckpt)).read_metadata()
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+def read_tensors(ckpt: Path, request: dict) -> None:
+    """Fill ``request`` (key -> preallocated tensor of the saved shape) from the DCP checkpoint in ``ckpt``,
+    this process alone (no collective)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(request, storage_reader=dcp.FileSystemReader(os.fspath(ckpt)), no_dist=True)
