@@ -88,6 +88,8 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
     out = []
     for s, units in enumerate(_stage_units(prof, stage_params)):
         held = {id(tensors[n]): tensors[n] for n in stage_params[s] if n in tensors}  # a tied pair once per stage
+        ties = {k: sum(any(id(tensors[n]) == k for n in names if n in tensors) for names in stage_params)
+                for k in held}
         trainable = sum(t.numel() for t in held.values() if t.requires_grad)
         frozen = sum(t.numel() * t.element_size() for t in held.values() if not t.requires_grad)
         work = units + ([prof.rest] if s == last else [])
@@ -95,7 +97,9 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
         act = [u.activation_bytes for u in work]
         ckpt = [u.output_bytes if _inside(u.name, targets) else u.activation_bytes for u in work]
         out.append(StageMemory(
-            trainable_elements=trainable, frozen_bytes=float(frozen), activation_bytes=sum(act),
+            trainable_elements=trainable, frozen_bytes=float(frozen),
+            tied_elements=sum(t.numel() for k, t in held.items() if ties[k] > 1 and t.requires_grad),
+            tie_stages=max(ties.values(), default=1), activation_bytes=sum(act),
             checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last),
             checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last),
             gather_elements=_gathered(units, layers, trainable, len(stage_params) > 1),

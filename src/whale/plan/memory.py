@@ -82,6 +82,9 @@ class StageMemory:
             gradient of the logits), at the worst moment (>= ``activation_bytes`` when profiled).
         checkpointed_backward_bytes: the same with every repeated layer checkpointed (the layer in backward
             holds its recomputed activations).
+        tied_elements: of those, elements of weights tied across stages (an input embedding and LM head);
+            ZeRO slices their state over every stage holding them (:mod:`whale.parallel.zero`).
+        tie_stages: how many stages hold those weights (their state share is ``f / tie_stages``).
         gather_elements: parameter elements ZeRO-3 holds gathered at once (:mod:`whale.parallel.zero3`): a
             pipeline stage is gathered whole per micro-batch; one stage gathers each repeated layer in turn
             and keeps the rest (embeddings, head) gathered from its forward to its backward.
@@ -91,6 +94,8 @@ class StageMemory:
     """
 
     trainable_elements: int
+    tied_elements: int = 0
+    tie_stages: int = 1
     frozen_bytes: float = 0.0
     activation_bytes: float = 0.0
     checkpointed_bytes: float = 0.0
@@ -142,13 +147,14 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
                          "share in (0, 1])")
     e, g = float(stage.trainable_elements), float(min(stage.gather_elements, stage.trainable_elements))
     f = share if options.zero else 1.0
-    params = 4 * f * e + 4 * g if options.zero == 3 else 4 * e
-    grads = {3: 4 * f * e + 4 * g, 2: 4 * e + 4 * f * e}.get(options.zero, 4 * e)
+    fe = f * (e - stage.tied_elements + stage.tied_elements / max(1, stage.tie_stages)) if options.zero else e
+    params = 4 * fe + 4 * g if options.zero == 3 else 4 * e
+    grads = {3: 4 * fe + 4 * g, 2: 4 * e + 4 * fe}.get(options.zero, 4 * e)
     host = 0.0
     if options.offload == "none":
-        optim = 8 * f * e
+        optim = 8 * fe
     else:
-        optim, host = 0.0, 16 * f * e
+        optim, host = 0.0, 16 * fe
     act, peak = stage_activation(stage, options)
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
               "activations": rows * act * in_flight, "temporaries": rows * max(0.0, peak - act)}
