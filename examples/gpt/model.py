@@ -182,8 +182,11 @@ class GPT(nn.Module):
 
 
 def for_plan(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, vocab_size: int = 2048, seq_len: int = 128,
-             stages: int = 2, batch: int = 32) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
-    """Factory for ``whale plan --model examples.gpt.model:for_plan``: the model and a sample batch."""
+             stages: int = 2, batch: int = 32) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor], object]:
+    """Factory for ``whale plan --model examples.gpt.model:for_plan``: the model, a sample batch and the
+    training loss (token cross-entropy)."""
+    from whale.loss import token_cross_entropy
+
     cfg = GPTConfig(vocab_size=vocab_size, block_size=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     x = torch.zeros(batch, seq_len, dtype=torch.long)
-    return GPT(cfg, stages=stages), (x, x)
+    return GPT(cfg, stages=stages), (x, x), token_cross_entropy()

@@ -1,7 +1,8 @@
 """``whale plan``: print (or write as JSON) the plan Whale would run a model with, without any process.
 
-The model comes from a factory ``package.module:function`` that returns a model, or ``(model, sample_batch)``
-so that the planner can profile it (memory-aware shares, speed-balanced pipeline cuts on a mixed cluster).
+The model comes from a factory ``package.module:function`` that returns a model, ``(model, sample_batch)`` or
+``(model, sample_batch, loss_fn)`` so that the planner can profile it, the loss too (memory-aware shares and
+techniques, speed-balanced pipeline cuts on a mixed cluster).
 ``key=value`` arguments after ``--args`` are passed to the factory (ints and floats are converted).
 """
 
@@ -11,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from whale.plan.memory import FORBIDDEN
 from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
 
@@ -43,10 +45,12 @@ def _make_plan(ns: argparse.Namespace):
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"--args takes KEY=VALUE pairs, got {ns.args}")
     made = load_factory(ns.model)(**{k: _value(v) for k, v in pairs})
-    model, sample = made if isinstance(made, tuple) else (made, None)
+    model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
+    forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
     config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
-                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload)
-    return wh.plan_model(model, ns.world, config, sample_batch=sample)
+                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload,
+                       zero=ns.zero, forbid=forbid)
+    return wh.plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +58,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the plan for a model on a world size / cluster (no processes)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="factory returning a model or (model, sample_batch), e.g. examples.gpt.model:for_plan")
+                   help="factory returning a model, (model, sample_batch) or (model, sample_batch, loss_fn), "
+                        "e.g. examples.gpt.model:for_plan")
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
     p.add_argument("--micro-batches", type=int, default=1)
@@ -63,6 +68,10 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
                    help="autocast dtype of the forward (fp16: with dynamic loss scaling)")
     p.add_argument("--offload", default="none", choices=OFFLOADS,
                    help="optimizer state (and parameters) in host memory, the optimizer step on the host")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (the planner may raise it)")
+    p.add_argument("--forbid", default="", metavar="NAMES",
+                   help="memory techniques the planner must not add (comma list of activation_checkpoint, zero, "
+                        "zero3, offload, offload_params; 'all')")
     p.add_argument("--no-hardware-aware", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--out", metavar="PLAN.json",
