@@ -13,9 +13,10 @@ these functions). :func:`whole_state` turns all of it into
   stage, or across stages through :attr:`Plan.shared_params`), the same under every plan.
 
 Split shards are all-gathered over their split group (collective) and ZeRO slices broadcast over their buffer's
-group (:mod:`whale.runtime.zero_state`): the gathered tensors are exact copies, so a reload is bitwise. Why whole tensors and not DCP's
-``ShardedTensor``/``DTensor`` chunks: shards are uneven and fused parameters (q|k|v) are non-contiguous in the
-whole tensor, which DCP's chunk metadata cannot express; and a different plan needs different cuts anyway.
+group (:mod:`whale.runtime.zero_state`): the gathered tensors are exact copies, so a reload is bitwise. Why
+whole tensors and not DCP's ``ShardedTensor``/``DTensor`` chunks: shards are uneven and fused parameters
+(q|k|v) are non-contiguous in the whole tensor, which DCP's chunk metadata cannot express; and a different plan
+needs different cuts anyway.
 :func:`load_whole_state` is the reverse: each rank takes from the whole tensors the slices its new stage,
 shard and ZeRO range need (no collective).
 """
