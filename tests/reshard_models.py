@@ -14,6 +14,7 @@ last token. Layouts (name: world size):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -70,12 +71,14 @@ def batches(steps: int, batch: int = 8, seed: int = 5):
             for _ in range(steps)]
 
 
-def engine(layout: str, ctx, seed: int = 0, lr: float = 1e-2):
-    """The engine of ``layout`` (2 micro-batches; split head at shard weights 3:1) with AdamW in two param groups
-    (no weight decay for 1-dim tensors)."""
+def engine(layout: str, ctx, seed: int = 0, lr: float = 1e-2, zero_weights=None):
+    """The engine of ``layout`` (2 micro-batches; split head at shard weights 3:1; ZeRO lane shares
+    ``zero_weights`` per stage when given) with AdamW in two param groups (no weight decay for 1-dim tensors)."""
     torch.manual_seed(seed)
     model = ReshardNet(layout)
     plan = wh.plan_model(model, ctx.world_size, ctx.config)
+    if zero_weights is not None:
+        plan = dataclasses.replace(plan, zero_weights=zero_weights)
     if layout == "split2":
         plan = dataclasses.replace(plan, task_graphs=tuple(
             dataclasses.replace(tg, nested=tuple(dataclasses.replace(n, shard_weights=(3.0, 1.0)) for n in tg.nested))
@@ -93,20 +96,22 @@ def plain_loss(out, y):
 
 # --- the save/load matrix (also run by benchmarks/reliability.py) -------------------------------------------
 def whole_state(e) -> dict:
-    """Every whole tensor of the engine's checkpoint (model and optimizer, keyed as saved), collective."""
+    """Every whole tensor of the engine's checkpoint (model and optimizer, keyed as saved), collective (ZeRO-3:
+    inside ``e.zero.whole()``, as the engine saves)."""
     from whale.runtime.fqn_state import model_slots, whole_model_state, whole_optim_state
 
-    slots = model_slots(e.module)
-    out = whole_model_state(slots)
-    out.update(whole_optim_state(e.optimizer, slots, e.plan, e.zero))
+    with e.zero.whole() if e.zero is not None else contextlib.nullcontext():
+        slots = model_slots(e.module)
+        out = whole_model_state(slots)
+        out.update(whole_optim_state(e.optimizer, slots, e.plan, e.zero))
     return out
 
 
-def save_layout(rank, world, layout, root, steps=2, zero=0):
-    """Train ``layout`` (with ZeRO stage ``zero``) for ``steps`` steps and save it under ``root/layout``; returns
-    the whole state, the hyperparameters and the RNG state it saved."""
+def save_layout(rank, world, layout, root, steps=2, zero=0, zero_weights=None):
+    """Train ``layout`` (with ZeRO stage ``zero``, lane shares ``zero_weights``) for ``steps`` steps and save it
+    under ``root/layout``; returns the whole state, the hyperparameters and the RNG state it saved."""
     ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, zero=zero))
-    e = engine(layout, ctx)
+    e = engine(layout, ctx, zero_weights=zero_weights)
     for b in batches(steps):
         e.step(b)
     e.optimizer.param_groups[0]["lr"] = 0.0123  # as a scheduler would have set it
@@ -116,13 +121,13 @@ def save_layout(rank, world, layout, root, steps=2, zero=0):
     return {"state": state, "lr": [g["lr"] for g in e.optimizer.param_groups], "rng": rng}
 
 
-def load_layouts(rank, world, layout, root, sources, zero=0):
-    """Under ``layout`` (ZeRO stage ``zero``), load each of ``sources`` (fresh engine, another init) and return
-    what it holds."""
+def load_layouts(rank, world, layout, root, sources, zero=0, zero_weights=None):
+    """Under ``layout`` (ZeRO stage ``zero``, lane shares ``zero_weights``), load each of ``sources`` (fresh
+    engine, another init) and return what it holds."""
     ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, zero=zero))
     out = {}
     for source in sources:
-        e = engine(layout, ctx, seed=100)
+        e = engine(layout, ctx, seed=100, zero_weights=zero_weights)
         torch.manual_seed(7)  # the RNG must come from the checkpoint
         extra = e.load_checkpoint(f"{root}/{source}")
         out[source] = {"state": whole_state(e), "lr": [g["lr"] for g in e.optimizer.param_groups],

@@ -2,7 +2,9 @@
 
 This is what makes a checkpoint independent of the plan that saved it. A rank holds its pipeline stage's
 parameters, some of them as split shards (uneven ``sizes`` along one ``dim``, possibly ``k`` fused blocks) and,
-under ZeRO, its optimizer state only for slices of flat buckets. :func:`whole_state` turns all of it into
+under ZeRO, its optimizer state only for slices of flat buffers (ZeRO-1/2 buckets, ZeRO-3 units; under ZeRO-3
+its parameters are whole only inside ``engine.zero.whole()``, which the engine's checkpoint calls wrap around
+these functions). :func:`whole_state` turns all of it into
 
 - ``model/<fqn>``: every state-dict entry of the stage under its original name (a tied weight under each of
   its names, as the unannotated model's ``state_dict()`` lists it), whole;
@@ -10,10 +12,11 @@ under ZeRO, its optimizer state only for slices of flat buckets. :func:`whole_st
   ``exp_avg_sq``, ``step``), whole. A tied parameter's canonical name is the smallest of its names (in this
   stage, or across stages through :attr:`Plan.shared_params`), the same under every plan.
 
-Split shards are all-gathered over their split group (collective) and ZeRO slices broadcast over their bucket's
-group: the gathered tensors are exact copies, so a reload is bitwise. Why whole tensors and not DCP's
-``ShardedTensor``/``DTensor`` chunks: shards are uneven and fused parameters (q|k|v) are non-contiguous in the
-whole tensor, which DCP's chunk metadata cannot express; and a different plan needs different cuts anyway.
+Split shards are all-gathered over their split group (collective) and ZeRO slices broadcast over their buffer's
+group (:mod:`whale.runtime.zero_state`): the gathered tensors are exact copies, so a reload is bitwise. Why
+whole tensors and not DCP's ``ShardedTensor``/``DTensor`` chunks: shards are uneven and fused parameters
+(q|k|v) are non-contiguous in the whole tensor, which DCP's chunk metadata cannot express; and a different plan
+needs different cuts anyway.
 :func:`load_whole_state` is the reverse: each rank takes from the whole tensors the slices its new stage,
 shard and ZeRO range need (no collective).
 """
@@ -122,6 +125,15 @@ def _param_slots(slots: list[Slot]) -> dict[int, Slot]:
     return out
 
 
+def _piece_ranges(zero) -> dict[int, tuple[nn.Parameter, int, int]]:
+    """Under ZeRO (any stage), :func:`whale.runtime.zero_state.piece_ranges`; else ``{}``."""
+    if zero is None:
+        return {}
+    from whale.runtime.zero_state import piece_ranges
+
+    return piece_ranges(zero)
+
+
 def whole_model_state(slots: list[Slot]) -> dict[str, torch.Tensor]:
     """``{"model/<fqn>": whole CPU tensor}`` (collective over each split group; a tied shard gathered once)."""
     done: dict[int, torch.Tensor] = {}
@@ -143,7 +155,7 @@ def whole_optim_state(optimizer: torch.optim.Optimizer, slots: list[Slot], plan:
     """
     by_id, canon = _param_slots(slots), canonical_names(slots, plan)
     out: dict[str, torch.Tensor] = {}
-    pieces = {id(pc.param) for pc in zero.pieces} if zero is not None else set()
+    pieces = _piece_ranges(zero)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in pieces:
@@ -167,15 +179,13 @@ def optim_requests(optimizer: torch.optim.Optimizer, slots: list[Slot], plan: Pl
     """What this rank's optimizer needs from a checkpoint: ``(parameter, saved key, cut)`` per state entry,
     where ``cut(whole)`` gives the local part. ``saved``: key -> (shape, dtype) of the checkpoint."""
     by_id, canon = _param_slots(slots), canonical_names(slots, plan)
-    managed = {id(pc.param): pc for pc in zero.pieces} if zero is not None else {}
-    if managed:
-        from whale.runtime.zero_state import piece_range
+    managed = _piece_ranges(zero)
     wanted = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in managed:
-                pc = managed[id(p)]
-                slot, (lo, hi) = by_id[id(pc.owner)], piece_range(zero, pc)
+                owner, lo, hi = managed[id(p)]
+                slot = by_id[id(owner)]
                 cut = (lambda w, lo=lo, hi=hi, p=p: w.reshape(-1)[lo:hi].view_as(p))
             else:
                 slot = by_id[id(p)]
