@@ -37,7 +37,7 @@ from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
 from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
-from whale.runtime.offload import host_offload, params_on_device
+from whale.runtime.offload import device_keyed, host_offload, params_on_device
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.precision import MixedPrecision
 from whale.runtime.rng import RankStreams
@@ -374,7 +374,7 @@ class Engine(GradientUpdate):
         (collective; :mod:`whale.runtime.checkpoint`); ``extra``: plain Python (data position, ...). Returns the
         published directory."""
         scaler = self.precision.scaler
-        with self._whole():
+        with self._whole(), device_keyed(self.offload):
             return checkpoint.save(path, self, extra or {}, scaler.state_dict() if scaler is not None else None)
 
     def load_checkpoint(self, path: str) -> dict:
@@ -385,7 +385,7 @@ class Engine(GradientUpdate):
         Raises:
             CheckpointError: no complete checkpoint; a damaged file (named); another model or optimizer.
         """
-        with self._whole(write_back=True):
+        with self._whole(write_back=True), device_keyed(self.offload):
             restored = checkpoint.load(path, self)
         if self.offload is not None:
             self.offload.refresh()  # the host masters from the loaded parameters

@@ -40,6 +40,7 @@ ZeRO-Offload is not part of PyTorch and refuses pipelines with ZeRO-2.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -184,3 +185,27 @@ def host_offload(engine) -> HostOffload | None:
     engine.memory.attach_host(offload, host_memory_capacity(cluster, ctx.rank) if emulated else None,
                               cluster.node_of(ctx.rank) if cluster is not None else 0)
     return offload
+
+
+@contextlib.contextmanager
+def device_keyed(offload: HostOffload | None):
+    """Inside: the optimizer as the rest of Whale sees it (checkpoints map its tensors to parameter names): its
+    groups hold the device tensors and its state is keyed by them; on exit the host masters come back and any
+    state loaded meanwhile moves to the host. Nothing happens without offload."""
+    if offload is None:
+        yield
+        return
+    opt = offload.optimizer
+    to_dev = {id(h): p for p, h in offload.pairs}
+    to_host = {id(p): h for p, h in offload.pairs}
+    for g in opt.param_groups:
+        g["params"] = [to_dev[id(h)] for h in g["params"]]
+    opt.state = defaultdict(dict, {to_dev[id(h)]: s for h, s in opt.state.items()})
+    try:
+        yield
+    finally:
+        for g in opt.param_groups:
+            g["params"] = [to_host[id(p)] for p in g["params"]]
+        opt.state = defaultdict(dict, {
+            to_host[id(p)]: {k: v.to(to_host[id(p)].device) if isinstance(v, torch.Tensor) and v.dim() else v
+                             for k, v in s.items()} for p, s in opt.state.items()})
