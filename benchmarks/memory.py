@@ -102,15 +102,24 @@ def main() -> None:
                  "micro_batches": args.micro_batches, "world_size": 4, "layout": "2 pipeline stages x 2 lanes, 1F1B",
                  "cluster": "examples/clusters/v100_p100.yaml (EMULATED: CPU ranks imitating V100/P100)"}
     t0 = time.time()
+
+    def write() -> None:
+        """The JSON so far (each part adds to it: a later part that fails or times out loses nothing)."""
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+
     if "prediction" not in skip:
         out.update(_prediction(base))
         png = os.path.splitext(args.out)[0] + ".png"
         plot_memory(out["configurations"], png)
         out["png"] = png
         print(f"prediction errors: {json.dumps(out['prediction_rel_error_by_configuration'], indent=1)}")
+        write()
     if "largest" not in skip:
         out["largest_model"] = _largest(args)
         out["largest_params_ratio_vs_dp"] = out["largest_model"]["largest_params_ratio_vs_dp"]
+        write()
     if "precision" not in skip:
         out["precision"] = precision_gap(args.precision_steps)
         out["bf16_vs_fp32_final_loss_gap"] = out["precision"]["bf16_vs_fp32_final_loss_gap"]
@@ -119,9 +128,7 @@ def main() -> None:
     keys = ("memory_prediction_max_rel_error", "largest_params_ratio_vs_dp", "bf16_vs_fp32_final_loss_gap",
             "zero3_vs_fsdp2_throughput", "zero3_vs_fsdp2_peak_memory", "wall_s")
     print(json.dumps({k: out.get(k) for k in keys}, indent=1))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+    write()
     print(f"written to {args.out}")
 
 
