@@ -102,9 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--offload", default="none", choices=["none", "optimizer", "optimizer+params"],
       help="keep the AdamW state (each lane's ZeRO slice), fp32 masters and gradients in host memory and step there "
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
-    a("--forbid", default="", metavar="NAMES",
-      help="memory techniques the planner must not add when the plan does not fit the cluster's memory, a comma "
-           "list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
+    a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
+      "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",

@@ -372,9 +372,8 @@ def profile_model(model: nn.Module, inputs: Callable[[int], Any] | Sequence[Inpu
             a = flops(total, "Global") - sum(flops(total, f"{root}.{u}") for u in unit_mods)
         else:
             f, a = flops(fwd, key), flops(total, key)
-        return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name], rec.act[name] / batch_size,
-                           rec.out[name] / batch_size, rec.transient.get(name, 0) / batch_size,
-                           rec.entry.get(name, 0) / batch_size)
+        per = [rec.act[name], rec.out[name], rec.transient.get(name, 0), rec.entry.get(name, 0)]
+        return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name], *(x / batch_size for x in per))
 
     # in the order forward calls them (a rotary embedding registered last but called first comes first), so
     # contiguous runs of units are what a pipeline stage can run

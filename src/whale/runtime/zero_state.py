@@ -53,6 +53,7 @@ def flats(zero) -> list[Flat]:
     """Every flat buffer of ``zero`` (a ``ZeroShards`` or a ``Zero3Shards``), in the same order on every rank of
     each buffer's group: ZeRO-1/2 buckets; ZeRO-3 units, then the tied parameters' buckets."""
     def mine(k):
+        """This rank's pieces of bucket ``k``."""
         return [pc for pc in zero.pieces if pc.bucket == k]
 
     if zero.level >= 3:
