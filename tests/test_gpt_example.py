@@ -30,6 +30,7 @@ def _run(tmp: Path, *extra: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # two torchrun jobs of 4 ranks on 2 cores: ~60 s on a quiet host, far more under load
 def test_gpt_example_trains_on_emulated_cluster_and_resumes(tmp_path):
     texts = tmp_path / "data" / "texts"
     texts.mkdir(parents=True)
