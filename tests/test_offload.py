@@ -12,16 +12,13 @@ host memory, non-blocking copies) need a GPU.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import pytest
 import torch
 
 import whale as wh
 from tests.distributed import run_ranks
 from tests.models import TinyLM
-from tests.test_zero import ATOL, CLIP, RTOL, _batches, _groups, _reference
+from tests.test_zero import ATOL, CLIP, RTOL, _batches, _reference, zero_engine
 from whale.cluster import ClusterError, ClusterSpec
 from whale.config import ConfigError
 from whale.memory.host import EmulatedHostOutOfMemoryError, host_memory_capacity
@@ -114,15 +111,7 @@ def test_tracker_counts_host_categories_apart_from_the_device():
 def _make(world, spec, offload):
     ctx = wh.init(wh.Config(num_micro_batch=2, zero=spec["zero"], max_grad_norm=CLIP, offload=offload,
                             track_memory=True, cluster=spec.get("cluster")))
-    torch.manual_seed(0)
-    model = TinyLM(stage_layers=spec["layers"])
-    model.blocks[0].fc1.bias.requires_grad_(False)
-    ref = copy.deepcopy(model)
-    plan = wh.plan_model(model, world, ctx.config)
-    if "weights" in spec:
-        plan = dataclasses.replace(plan, zero_weights=spec["weights"])
-    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
-    return wh.parallelize(model, wh.token_cross_entropy(), opt, ctx=ctx, plan=plan), ref, opt
+    return zero_engine(ctx, world, spec)
 
 
 def _train(engine, opt):

@@ -63,8 +63,14 @@ def _reference(ref, steps):
 def _make(world, spec):
     """Model (frozen fc1.bias in block 0), its one-process copy, plan and engine for ``spec``."""
     ctx = wh.init(wh.Config(num_micro_batch=2, zero=spec["zero"], max_grad_norm=CLIP, cluster=spec.get("cluster")))
+    return zero_engine(ctx, world, spec)
+
+
+def zero_engine(ctx, world, spec, model_cls=TinyLM):
+    """(engine, one-process copy, optimizer) of ``model_cls`` with ``spec["layers"]`` (frozen fc1.bias in block 0),
+    planned under ``ctx`` with ``spec["weights"]`` as ZeRO weights when given; AdamW with two param groups."""
     torch.manual_seed(0)
-    model = TinyLM(stage_layers=spec["layers"])
+    model = model_cls(stage_layers=spec["layers"])
     model.blocks[0].fc1.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
     plan = wh.plan_model(model, world, ctx.config)

@@ -12,7 +12,6 @@ Tolerance as in test_zero (fp32, rtol 1e-5, atol 1e-6).
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 import whale as wh
 from tests.distributed import run_ranks
 from tests.models import PipeWithSplit, TinyLM, lm_loss
-from tests.test_zero import ATOL, CLIP, RTOL, _batches, _groups, _reference
+from tests.test_zero import ATOL, CLIP, RTOL, _batches, _groups, _reference, zero_engine
 
 
 class UnusedLM(TinyLM):
@@ -39,17 +38,7 @@ def _make(world, spec):
     cfg = wh.Config(num_micro_batch=2, zero=3, max_grad_norm=CLIP, cluster=spec.get("cluster"),
                     precision=spec.get("precision", "fp32"), track_memory=True, loss_scale=SCALE,
                     activation_checkpoint=spec.get("checkpoint"))
-    ctx = wh.init(cfg)
-    torch.manual_seed(0)
-    model = (UnusedLM if spec.get("unused") else TinyLM)(stage_layers=spec["layers"])
-    model.blocks[0].fc1.bias.requires_grad_(False)
-    ref = copy.deepcopy(model)
-    plan = wh.plan_model(model, world, ctx.config)
-    if "weights" in spec:
-        plan = dataclasses.replace(plan, zero_weights=spec["weights"])
-    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
-    engine = wh.parallelize(model, wh.token_cross_entropy(), opt, ctx=ctx, plan=plan)
-    return engine, ref, opt
+    return zero_engine(wh.init(cfg), world, spec, UnusedLM if spec.get("unused") else TinyLM)
 
 
 def _equivalence(rank, world, spec):
