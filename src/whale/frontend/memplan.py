@@ -53,26 +53,44 @@ def _stage_units(prof: ModelProfile, stage_params: list[set[str]]) -> list[list]
     return out
 
 
-def _backward_peak(work: list, kept: list[float], last_stage: bool) -> float:
+def _backward_peak(work: list, kept: list[float], last_stage: bool, relief: dict[str, float]) -> float:
     """The most bytes per sample alive while the stage's backward walks ``work`` (its units in forward order,
     the loss last in the last stage): the activations not yet freed (``kept`` per unit; the unit in backward
     holds its whole activations, recomputed when checkpointed) plus that unit's temporaries: the gradient of
     its output (received from the next stage, or made by the next unit) and its own increment over the
-    temporaries alive when it started (:mod:`whale.frontend.transient`)."""
+    temporaries alive when it started (:mod:`whale.frontend.transient`), less ``relief`` (per unit, bytes per
+    sample the profile saw as temporaries that the stage holds as gradients: :func:`_tied_relief`)."""
     peak = 0.0
     for i in range(len(work) - 1, -1, -1):
         u = work[i]
-        own = max(0.0, u.transient_bytes - u.entry_bytes)
+        own = max(0.0, u.transient_bytes - u.entry_bytes - relief.get(u.name, 0.0))
         incoming = 0.0 if (last_stage and i == len(work) - 1) else u.output_bytes
         peak = max(peak, sum(kept[:i]) + u.activation_bytes + own + incoming)
     return peak
 
 
-def _gathered(units: list, layers: tuple[str, ...], trainable: int, pipelined: bool) -> int:
-    """Elements ZeRO-3 holds gathered at once: the whole stage in a pipeline; else the parameters outside the
-    repeated ``layers`` (gathered from forward to backward) plus the largest layer."""
+def _tied_relief(prof: ModelProfile, tensors: dict, tied: set[int]) -> dict[str, float]:
+    """Per unit, bytes per sample of the gradients of cross-stage tied weights (ids ``tied``) that it reads but
+    an earlier unit owns (the LM head of a tied embedding). In the one-process profile that gradient waits in
+    autograd's buffer as a temporary until the owner's use adds to it; in a pipeline each stage's copy gets its
+    gradient directly (counted under ``gradients``), so it is not a temporary of the stage."""
+    seen: set[int] = set()
+    out: dict[str, float] = {}
+    for u in prof.units:
+        mine = {id(t): t for n, t in tensors.items() if n.startswith(u.name + ".") and id(t) in tied}
+        late = [t for k, t in mine.items() if k in seen]
+        if late:
+            out[u.name] = sum(t.numel() * t.element_size() for t in late) / prof.batch_size
+        seen.update(mine)
+    return out
+
+
+def _gathered(units: list, layers: tuple[str, ...], trainable: int, pipelined: bool, tied: int) -> int:
+    """Elements ZeRO-3 holds gathered at once: the whole stage in a pipeline, less its ``tied`` elements (weights
+    tied across stages stay whole); else the parameters outside the repeated ``layers`` (gathered from forward
+    to backward) plus the largest layer."""
     if pipelined:
-        return trainable
+        return trainable - tied
     inside = [u.param_bytes // 4 for u in units if _inside(u.name, layers)]
     return trainable - sum(inside) + max(inside, default=0)
 
@@ -85,6 +103,9 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
     targets = checkpointed or layers
     tensors = dict(model.named_parameters(remove_duplicate=False))
     last = len(stage_params) - 1
+    ties_all = {id(t): sum(any(id(tensors[n]) == id(t) for n in names if n in tensors) for names in stage_params)
+                for t in tensors.values()}
+    relief = _tied_relief(prof, tensors, {k for k, c in ties_all.items() if c > 1})
     out = []
     for s, units in enumerate(_stage_units(prof, stage_params)):
         held = {id(tensors[n]): tensors[n] for n in stage_params[s] if n in tensors}  # a tied pair once per stage
@@ -96,13 +117,15 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
         frozen += sum(u.buffer_bytes for u in work)
         act = [u.activation_bytes for u in work]
         ckpt = [u.output_bytes if _inside(u.name, targets) else u.activation_bytes for u in work]
+        tied = sum(t.numel() for k, t in held.items() if ties[k] > 1 and t.requires_grad)
+        pipelined = len(stage_params) > 1
         out.append(StageMemory(
-            trainable_elements=trainable, frozen_bytes=float(frozen),
-            tied_elements=sum(t.numel() for k, t in held.items() if ties[k] > 1 and t.requires_grad),
+            trainable_elements=trainable, frozen_bytes=float(frozen), tied_elements=tied,
             tie_stages=max(ties.values(), default=1), activation_bytes=sum(act),
-            checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last),
-            checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last),
-            gather_elements=_gathered(units, layers, trainable, len(stage_params) > 1),
+            checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last, relief),
+            checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last, relief),
+            gather_elements=_gathered(units, layers, trainable, pipelined, tied),
+            pipelined=pipelined, holds_loss=pipelined and s == last,
             recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
             train_flops=sum(u.train_flops for u in work)))
     return out

@@ -91,6 +91,11 @@ class StageMemory:
         recompute_flops: forward FLOPs per sample of the checkpointable layers (what recomputation repeats).
         train_flops: forward + backward FLOPs per sample of the whole stage (to compare the options' compute
             time on the lane shares each option's placement gives).
+        pipelined: the stage is one of several pipeline stages (ZeRO-3 gathers it whole; its tied weights stay
+            whole, their gradients and state sliced as under ZeRO-2).
+        holds_loss: the last of several pipeline stages: under ZeRO-3 its loss's backward temporaries (the
+            gradient of the logits) peak before the stage is gathered again for its backward, so the rank
+            holds the larger of the two, not both (measured: ``benchmarks/memory.py``).
     """
 
     trainable_elements: int
@@ -104,6 +109,8 @@ class StageMemory:
     gather_elements: int = 0
     recompute_flops: float = 0.0
     train_flops: float = 0.0
+    pipelined: bool = False
+    holds_loss: bool = False
 
 
 @dataclass(frozen=True, order=True)
@@ -148,16 +155,21 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
     e, g = float(stage.trainable_elements), float(min(stage.gather_elements, stage.trainable_elements))
     f = share if options.zero else 1.0
     fe = f * (e - stage.tied_elements + stage.tied_elements / max(1, stage.tie_stages)) if options.zero else e
-    params = 4 * fe + 4 * g if options.zero == 3 else 4 * e
-    grads = {3: 4 * fe + 4 * g, 2: 4 * e + 4 * fe}.get(options.zero, 4 * e)
+    params, grads = 4 * e, {2: 4 * e + 4 * fe}.get(options.zero, 4 * e)
+    if options.zero == 3:  # owned shard + tied weights (whole) + what is gathered; a stage's gradients are
+        held = 4 * f * (e - stage.tied_elements) + 4 * stage.tied_elements  # reduce-scattered as its backward ends
+        params, grads = held + 4 * g, held + (0.0 if stage.pipelined else 4 * g)
     host = 0.0
     if options.offload == "none":
         optim = 8 * fe
     else:
         optim, host = 0.0, 16 * fe
     act, peak = stage_activation(stage, options)
+    temporaries = rows * max(0.0, peak - act)
+    if options.zero == 3 and stage.holds_loss:
+        temporaries = max(0.0, temporaries - 4 * g)
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
-              "activations": rows * act * in_flight, "temporaries": rows * max(0.0, peak - act)}
+              "activations": rows * act * in_flight, "temporaries": temporaries}
     return RankMemory(device, host)
 
 
