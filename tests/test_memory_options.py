@@ -70,7 +70,7 @@ def _brute(plan, stages, batch, floor, forbid, cap, host, speeds, bw):
     def allowed(o):
         if o.activation_checkpoint < floor.activation_checkpoint or o.zero < floor.zero or \
                 OFFLOADS.index(o.offload) < OFFLOADS.index(floor.offload) or \
-                (o.offload == "optimizer+params" and o.zero) or (o.offload != "none" and o.zero == 3):
+                (o.offload == "optimizer+params" and o.zero):
             return False
         added = {"activation_checkpoint": o.activation_checkpoint and not floor.activation_checkpoint,
                  "zero": o.zero > floor.zero, "zero3": o.zero == 3 and floor.zero < 3,

@@ -178,10 +178,6 @@ class Config:
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"offload={self.offload!r} is unknown; choose one of {OFFLOADS}")
-        if self.offload != "none" and self.zero == 3:
-            raise ConfigError(f"offload={self.offload!r} with zero=3: ZeRO-3 gathers each layer's parameter slices "
-                              "per use and Whale does not offload them; use zero=2 with offload='optimizer', or "
-                              "zero=3 without offload")
         if self.offload == "optimizer+params" and self.zero:
             raise ConfigError(f"offload='optimizer+params' with zero={self.zero}: whole parameters cannot stay on "
                               "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "

@@ -242,7 +242,7 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
 
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
     """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows (offloading
-    the parameters runs with ``zero=0`` only, offload not with ZeRO-3).
+    the parameters runs with ``zero=0`` only).
 
     ``forbid`` names (:data:`FORBIDDEN`) techniques the planner must not add: ``"activation_checkpoint"``,
     ``"zero"`` (any higher ZeRO stage), ``"zero3"``, ``"offload"``, ``"offload_params"``.
@@ -256,8 +256,7 @@ def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[Memor
     out = []
     for ckpt, zero, off in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS):
         lower = ckpt < floor.activation_checkpoint or zero < floor.zero or \
-            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0) \
-            or (off != "none" and zero == 3)
+            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0)
         banned = (ckpt and not floor.activation_checkpoint and "activation_checkpoint" in forbid) or \
             (zero > floor.zero and "zero" in forbid) or (zero == 3 > floor.zero and "zero3" in forbid) or \
             (off != floor.offload and "offload" in forbid) or \

@@ -15,9 +15,6 @@ class PlanChecks:
         if self.zero > 3:
             _fail("zero", self.zero, "is not a ZeRO stage",
                   "use 0, 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)")
-        if self.offload != "none" and self.zero == 3:
-            _fail("offload", self.offload, "is not run with ZeRO-3 (its parameter slices are gathered per layer, "
-                  "not kept whole)", "use offload with zero 0-2, or zero=3 without offload")
         if self.offload == "optimizer+params" and self.zero:
             _fail("offload", self.offload, f"keeps whole parameters on the host, which ZeRO-{self.zero}'s sharded "
                   "parameter buffers do not support", "use offload='optimizer' with zero >= 1, or zero=0")

@@ -1,12 +1,12 @@
 """Offload to host memory with the optimizer step on the host, as ZeRO-Offload does (Ren et al., "ZeRO-Offload:
-Democratizing Billion-Scale Model Training", USENIX ATC 2021), composing with Whale's ZeRO-1/2, pipelines,
+Democratizing Billion-Scale Model Training", USENIX ATC 2021), composing with Whale's ZeRO-1/2/3, pipelines,
 split shards, clipping and mixed precision.
 
 What lives where (``Config(offload=...)``, recorded in ``Plan.offload``):
 
 - ``"optimizer"``: for every tensor the rank's optimizer updates (whole parameters, split shards, or under
-  ZeRO-1/2 only this lane's slices, :mod:`whale.parallel.zero`), the host holds an fp32 master copy, a gradient
-  buffer and the optimizer state. The device keeps its parameters and gradients for forward and backward; it
+  ZeRO-1/2/3 only this lane's slices, :mod:`whale.parallel.zero`, :mod:`whale.parallel.zero3`), the host holds
+  an fp32 master copy, a gradient buffer and the optimizer state. The device keeps its parameters and gradients for forward and backward; it
   holds no optimizer state.
 - ``"optimizer+params"``: as ``"optimizer"``, and every parameter of the stage stays on the host between steps
   (the host master *is* the parameter); :func:`params_on_device` copies them to the device for a step's (or an
