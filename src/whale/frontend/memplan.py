@@ -85,6 +85,15 @@ def _tied_relief(prof: ModelProfile, tensors: dict, tied: set[int]) -> dict[str,
     return out
 
 
+def _p2p(stage_units: list[list], s: int) -> float:
+    """Bytes per sample of stage ``s``'s point-to-point buffers: three messages per boundary (see
+    :class:`~whale.plan.memory.StageMemory`), a boundary's size the output of the unit before it."""
+    ends = [units[-1].output_bytes if units else 0.0 for units in stage_units]
+    inward = ends[s - 1] if s > 0 else 0.0
+    outward = ends[s] if s < len(stage_units) - 1 else 0.0
+    return 3.0 * (inward + outward)
+
+
 def _gathered(units: list, layers: tuple[str, ...], trainable: int, pipelined: bool, tied: int) -> int:
     """Elements ZeRO-3 holds gathered at once: the whole stage in a pipeline, less its ``tied`` elements (weights
     tied across stages stay whole); else the parameters outside the repeated ``layers`` (gathered from forward
@@ -107,7 +116,8 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
                 for t in tensors.values()}
     relief = _tied_relief(prof, tensors, {k for k, c in ties_all.items() if c > 1})
     out = []
-    for s, units in enumerate(_stage_units(prof, stage_params)):
+    stage_units = _stage_units(prof, stage_params)
+    for s, units in enumerate(stage_units):
         held = {id(tensors[n]): tensors[n] for n in stage_params[s] if n in tensors}  # a tied pair once per stage
         ties = {k: sum(any(id(tensors[n]) == k for n in names if n in tensors) for names in stage_params)
                 for k in held}
@@ -125,7 +135,7 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
             checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last, relief),
             checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last, relief),
             gather_elements=_gathered(units, layers, trainable, pipelined, tied),
-            pipelined=pipelined, holds_loss=pipelined and s == last,
+            pipelined=pipelined, holds_loss=pipelined and s == last, p2p_bytes=_p2p(stage_units, s),
             recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
             train_flops=sum(u.train_flops for u in work)))
     return out

@@ -53,7 +53,13 @@ class BackwardTransients(StorageTracker):
                                .remove)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Run ``func`` under the tracker, then note the unit's peak of temporaries."""
+        """Run ``func`` under the tracker, then note the unit's peak of temporaries. An input whose storage the
+        tracker has not seen was made before the backward (a saved activation, a parameter: everything the
+        backward makes is seen as it is made), so it is not a temporary: without this, a view of it (autograd
+        unpacking a saved output with ``detach``) would be counted as a new temporary of its full size."""
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not self.seen(t):
+                self.label(t, "activations")
         out = super().__torch_dispatch__(func, types, args, kwargs)
         now = self.current["temporaries"]
         if now > self.peaks[self.unit]:

@@ -157,6 +157,14 @@ class StorageTracker(TorchDispatchMode):
             grow, entry[0] = storage.nbytes() - entry[0], storage.nbytes()
             self._grow(entry[1], grow)
 
+    def seen(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is counted (a wrapper subclass: its first inner tensor's; no storage: True)."""
+        if is_traceable_wrapper_subclass(t):
+            inner = [getattr(t, n) for n in t.__tensor_flatten__()[0]]
+            return all(self.seen(i) for i in inner if isinstance(i, torch.Tensor))
+        st = _storage(t)
+        return st is None or id(st) in self._live
+
     def label(self, t: torch.Tensor | None, category: str) -> None:
         """Count ``t``'s storage (made inside the tracker or not) as ``category`` from now on.
 

@@ -93,6 +93,10 @@ class StageMemory:
             time on the lane shares each option's placement gives).
         pipelined: the stage is one of several pipeline stages (ZeRO-3 gathers it whole; its tied weights stay
             whole, their gradients and state sliced as under ZeRO-2).
+        p2p_bytes: bytes per sample of the pipeline's point-to-point buffers the stage holds: per boundary
+            with a neighbouring stage, three messages of the boundary's size (a receive posted ahead, the
+            message being consumed, a send not yet complete: :mod:`whale.parallel.p2p`; measured in
+            ``benchmarks/memory.py``).
         holds_loss: the last of several pipeline stages: under ZeRO-3 its loss's backward temporaries (the
             gradient of the logits) peak before the stage is gathered again for its backward, so the rank
             holds the larger of the two, not both (measured: ``benchmarks/memory.py``).
@@ -110,6 +114,7 @@ class StageMemory:
     recompute_flops: float = 0.0
     train_flops: float = 0.0
     pipelined: bool = False
+    p2p_bytes: float = 0.0
     holds_loss: bool = False
 
 
@@ -169,7 +174,7 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
     if options.zero == 3 and stage.holds_loss:
         temporaries = max(0.0, temporaries - 4 * g)
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
-              "activations": rows * act * in_flight, "temporaries": temporaries}
+              "activations": rows * (act * in_flight + stage.p2p_bytes), "temporaries": temporaries}
     return RankMemory(device, host)
 
 
