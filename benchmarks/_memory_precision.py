@@ -18,25 +18,26 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CLUSTER = os.path.join(ROOT, "examples", "clusters", "v100_p100.yaml")
 
 
-def _run(precision: str, steps: int, out_dir: str) -> dict:
-    """One GPT run; returns its JSON summary."""
+def _run(precision: str, steps: int, out_dir: str, timeout: float = 1500) -> dict:
+    """One GPT run (at most ``timeout`` seconds); returns its JSON summary."""
     summary = os.path.join(out_dir, f"{precision}.json")
     cmd = [sys.executable, "-m", "whale.cli", "launch", "-n", "4", "--cluster", CLUSTER, "examples/gpt/train.py",
            "--steps", str(steps), "--precision", precision, "--summary", summary, "--no-progress",
            "--eval-every", "0", "--sample-tokens", "0", "--tensorboard", "",
            "--ckpt-dir", os.path.join(out_dir, f"ckpt-{precision}")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     with open(summary) as f:
         return json.load(f)
 
 
-def precision_gap(steps: int = 200) -> dict:
-    """Run fp32 and bf16; return the gap and both runs' numbers (nats, tokens/s)."""
+def precision_gap(steps: int = 200, timeout: float = 1500) -> dict:
+    """Run fp32 and bf16 (each at most ``timeout`` seconds); return the gap and both runs' numbers (nats,
+    tokens/s)."""
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {p: _run(p, steps, tmp) for p in ("fp32", "bf16")}
+        runs = {p: _run(p, steps, tmp, timeout) for p in ("fp32", "bf16")}
 
     def tail(r: dict) -> float:
         """Mean training loss over the last 20 steps."""
@@ -52,4 +53,5 @@ def precision_gap(steps: int = 200) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(precision_gap(int(sys.argv[1]) if len(sys.argv) > 1 else 200), indent=1))
+    print(json.dumps(precision_gap(int(sys.argv[1]) if len(sys.argv) > 1 else 200,
+                                   float(sys.argv[2]) if len(sys.argv) > 2 else 1500), indent=1))
