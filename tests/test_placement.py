@@ -11,7 +11,7 @@ import pytest
 
 from whale.plan.balance import InfeasiblePlanError, balance_batch, max_units, min_max_shares, whole_shares
 from whale.plan.partition import partition_layers, stage_times
-from whale.plan.placement import compositions, place_stages
+from whale.plan.placement import compositions, place_stages, placement_work
 from whale.plan.schedule import in_flight_micro_batches
 
 
@@ -128,6 +128,12 @@ def test_place_stages_matches_brute_force():
         old = _brute_placement(sec, mem, act, types, caps, widths, fl, [tuple(memory_order)])
         false_infeasible += old is None and opt is not None
         by_memory = max(by_memory, old / opt if old and opt else 1.0)
+        groups = [tuple(memory_order[sum(widths[:s]):sum(widths[:s + 1])].count(t) for t in range(len(counts)))
+                  for s in range(len(widths))]
+        try:  # with the groups fixed, only the cut is chosen: exact for that order too
+            assert place_stages(sec, mem, act, counts, caps, widths, fl, groups=groups).bottleneck == old
+        except InfeasiblePlanError:
+            assert old is None
         if opt is None:
             infeasible += 1
             with pytest.raises(InfeasiblePlanError, match="lacking"):
@@ -177,20 +183,29 @@ def test_compositions_and_bad_input():
         place_stages([[1.0]] * 3, [0.0] * 3, [0.0] * 3, [2], [1.0], [1, 1, 1], [3, 2, 1])
     with pytest.raises(ValueError, match="cannot cut 2 layers into 3"):
         place_stages([[1.0]] * 2, [0.0] * 2, [0.0] * 2, [3], [1.0], [1, 1, 1], [3, 2, 1])
+    with pytest.raises(ValueError, match="adding up to the stage's width"):
+        place_stages([[1.0]] * 2, [0.0] * 2, [0.0] * 2, [2], [1.0], [1, 1], [2, 1], groups=[(2,), (0,)])
+    assert placement_work([1, 1], [1, 1], 9) == 600  # 1 + 2 states x 2 groups x 10^2
 
 
-def test_planner_places_the_gpt_head_on_the_fast_device_and_the_plan_records_it():
+def test_planner_places_the_gpt_head_on_the_fast_device_and_the_plan_records_it(monkeypatch):
     """``wh.plan_model`` on a V100 (rank 0, more memory) + P100: the memory order would run the V100 first;
     the exact placement runs the P100 first and the V100 on the heavy head (lm_head), records the order in
-    ``device_order`` and keeps it through the memory fitting (apply_hardware)."""
+    ``device_order`` and keeps it through the memory fitting (apply_hardware). Above the search budget the
+    planner keeps the memory order and says so."""
     import whale as wh
     from examples.gpt.model import for_plan
     from whale.cluster import ClusterSpec
+    from whale.frontend import hwplan
 
     model, batch, loss = for_plan(n_layer=2, n_embd=64, vocab_size=2048, seq_len=32, batch=8)
-    spec = ClusterSpec.from_dict({"nodes": [{"devices": ["V100-32GB", "P100-16GB"]}]})
-    plan = wh.plan_model(model, 2, wh.Config(num_micro_batch=4, cluster=spec), sample_batch=batch, loss_fn=loss)
+    config = wh.Config(num_micro_batch=4, cluster=ClusterSpec.from_dict({"nodes": [{"devices": ["V100-32GB",
+                                                                                                 "P100-16GB"]}]}))
+    plan = wh.plan_model(model, 2, config, sample_batch=batch, loss_fn=loss)
     assert plan.device_order == (1, 0) and plan.coords(0) == (1, 0) and plan.rank_of(0, 0) == 1
     assert "lm_head" in plan.stage_cuts[1].units and plan.devices == ("V100-32GB", "P100-16GB")
     assert any(n.startswith("pipeline placement") and "stage 0: 1 x P100-16GB" in n for n in plan.notes)
     assert wh.Plan.from_json(plan.to_json()) == plan
+    monkeypatch.setattr(hwplan, "PLACEMENT_WORK_LIMIT", 0.0)
+    plan = wh.plan_model(model, 2, config, sample_batch=batch, loss_fn=loss)
+    assert plan.device_order == () and any("devices in memory order" in n for n in plan.notes)

@@ -7,6 +7,7 @@ of :mod:`whale.plan.placement`, :mod:`whale.plan.balance` and :mod:`whale.plan.h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile, profile_model
 from whale.plan.balance import InfeasiblePlanError
-from whale.plan.placement import place_stages
+from whale.plan.hardware import device_order
+from whale.plan.placement import place_stages, placement_work
 from whale.plan.plan import Plan, StageCut
 from whale.plan.schedule import in_flight_micro_batches
 
@@ -112,12 +114,29 @@ def placement_order(layout: Plan, types: DeviceTypes, groups) -> tuple[int, ...]
     return tuple(order) if order != list(range(layout.world_size)) else ()
 
 
-def _placement_note(types: DeviceTypes, placement, units: list[list[str]]) -> str:
+PLACEMENT_WORK_LIMIT = 4e7
+"""Largest :func:`whale.plan.placement.placement_work` searched exactly (about a second on one core); above it
+the stages keep the paper's memory order and only the cut is chosen (the plan's note says so)."""
+
+
+def memory_order_groups(layout: Plan, types: DeviceTypes, cluster: ClusterSpec) -> list[tuple[int, ...]]:
+    """Per stage, devices of each type under the paper's memory order (:func:`whale.plan.hardware.device_order`
+    on a plan without an order: in each replica, largest memory first)."""
+    ordered = dataclasses.replace(layout, device_order=device_order(dataclasses.replace(layout, device_order=()),
+                                                                    cluster))
+    type_of = {r: t for t, ranks in enumerate(types.ranks) for r in ranks}
+    return [tuple(sum(type_of[r] == t for r in ordered.stage_ranks(s)) for t in range(len(types.names)))
+            for s in range(layout.num_stages)]
+
+
+def _placement_note(types: DeviceTypes, placement, units: list[list[str]], exact: bool) -> str:
     stages = "; ".join(
         f"stage {s}: {' + '.join(f'{k} x {types.names[t]}' for t, k in enumerate(g) if k)}, {len(names)} unit(s)"
         for s, (g, names) in enumerate(zip(placement.groups, units, strict=True)))
-    return (f"pipeline placement (stage cut and device types chosen together, exact): {stages}; slowest stage "
-            f"{placement.bottleneck * 1e3:.3g} ms per micro-batch at peak FLOPS")
+    how = ("stage cut and device types chosen together, exact" if exact else
+           "devices in memory order (the exact search is too large for this cluster), cut chosen for it")
+    return (f"pipeline placement ({how}): {stages}; slowest stage {placement.bottleneck * 1e3:.3g} ms per "
+            "micro-batch at peak FLOPS")
 
 
 def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
@@ -142,7 +161,9 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
     s_count, m = layout.num_stages, config.num_micro_batch
     in_flight = [in_flight_micro_batches(s, s_count, m, config.schedule) for s in range(s_count)]
     args = (unit_seconds(flops, types), static, act, [len(r) for r in types.ranks])
-    rest = (widths, in_flight, [min(widths) / w for w in widths])
+    exact = placement_work(widths, args[3], len(units)) <= PLACEMENT_WORK_LIMIT
+    rest = (widths, in_flight, [min(widths) / w for w in widths], None if exact else
+            memory_order_groups(layout, types, cluster))
     try:
         placed = place_stages(*args, list(types.capacity), *rest)
     except InfeasiblePlanError:  # nothing fits as is: place by speed; the memory planner adds what makes it fit
@@ -159,7 +180,7 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
                 stage_of.setdefault(name, s)
         start += c
     return UnitCut(stage_of, names, placement_order(layout, types, placed.groups),
-                   _placement_note(types, placed, names))
+                   _placement_note(types, placed, names, exact))
 
 
 def _unit_stages(prof: ModelProfile, stage_params: list[set[str]]) -> list[int]:

@@ -63,27 +63,47 @@ def compositions(width: int, room: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def _states(widths: Sequence[int], type_counts: Sequence[int]) -> list[list[tuple[int, ...]]]:
+Choices = Callable[[int, list[int]], list[tuple[int, ...]]]
+"""``choices(stage, room)``: the groups stage ``stage`` may run on when ``room[t]`` devices of type t are left,
+in order of preference."""
+
+
+def _states(widths: Sequence[int], type_counts: Sequence[int], choices: Choices) -> list[list[tuple[int, ...]]]:
     """Counts of each type used after each number of stages placed (level 0..S)."""
     levels = [[tuple(0 for _ in type_counts)]]
-    for w in widths:
+    for s in range(len(widths)):
         nxt = {}
         for u in levels[-1]:
-            for g in compositions(w, [c - x for c, x in zip(type_counts, u, strict=True)]):
-                nxt[tuple(a + b for a, b in zip(u, g, strict=True))] = None
+            for g in choices(s, [c - x for c, x in zip(type_counts, u, strict=True)]):
+                nxt[_add(u, g)] = None
         levels.append(list(nxt))
     return levels
+
+
+def placement_work(widths: Sequence[int], type_counts: Sequence[int], n_layers: int) -> float:
+    """Upper bound on the element operations of :func:`place_stages` (transitions x (n + 1)^2), computed without
+    enumerating: per level, the vectors of used counts with the right sum, times the groups of the next width.
+    About 3e-8 s each on one CPU core; callers with a time budget fall back to fixed groups above it."""
+    ways = [1.0]  # ways[k]: used-count vectors adding up to k
+    for c in type_counts:
+        ways = [sum(ways[k - x] for x in range(min(c, k) + 1) if k - x < len(ways)) for k in range(len(ways) + c)]
+    T, used, total = len(type_counts), 0, 0.0
+    for w in widths:
+        total += (ways[used] if used < len(ways) else 0.0) * math.comb(w + T - 1, T - 1)
+        used += w
+    return total * (n_layers + 1) ** 2
 
 
 Cost = Callable[[int, tuple[int, ...]], np.ndarray]
 """``cost(stage, group)[i, j]``: the stage's cost on layers ``i..j-1`` (``inf`` where not allowed)."""
 
 
-def _solve(n: int, widths: Sequence[int], type_counts: Sequence[int], cost: Cost) -> tuple[float, list]:
+def _solve(n: int, widths: Sequence[int], type_counts: Sequence[int], cost: Cost,
+           choices: Choices) -> tuple[float, list]:
     """Exact min over placements of the max stage cost: backward DP over (level, counts used) of vectors over
     layers consumed, then a forward walk taking the preferred choice that keeps the optimum. Returns
     (optimum, [(group, start, end)] per stage); ``(inf, [])`` when nothing is allowed."""
-    levels = _states(widths, type_counts)
+    levels = _states(widths, type_counts, choices)
     S = len(widths)
     done = np.full(n + 1, np.inf)
     done[n] = 0.0
@@ -93,7 +113,7 @@ def _solve(n: int, widths: Sequence[int], type_counts: Sequence[int], cost: Cost
         for u in levels[s]:
             room = [c - x for c, x in zip(type_counts, u, strict=True)]
             vals = [np.maximum(cost(s, g), best[s + 1][_add(u, g)][None, :]).min(axis=1)
-                    for g in compositions(widths[s], room)]
+                    for g in choices(s, room)]
             best[s][u] = np.min(vals, axis=0) if vals else np.full(n + 1, np.inf)
     target = float(best[0][levels[0][0]][0])
     if not math.isfinite(target):
@@ -101,7 +121,7 @@ def _solve(n: int, widths: Sequence[int], type_counts: Sequence[int], cost: Cost
     path, u, i = [], levels[0][0], 0
     for s in range(S):
         room = [c - x for c, x in zip(type_counts, u, strict=True)]
-        g, j = next((g, j) for g in compositions(widths[s], room) for j in range(i + 1, n + 1)
+        g, j = next((g, j) for g in choices(s, room) for j in range(i + 1, n + 1)
                     if max(cost(s, g)[i, j], best[s + 1][_add(u, g)][j]) <= target)
         path.append((g, i, j))
         u, i = _add(u, g), j
@@ -135,8 +155,8 @@ def _check(layer_seconds, layer_bytes, layer_act_bytes, type_counts, type_capaci
 
 def place_stages(layer_seconds: Sequence[Sequence[float]], layer_bytes: Sequence[float],
                  layer_act_bytes: Sequence[float], type_counts: Sequence[int], type_capacity: Sequence[float],
-                 widths: Sequence[int], in_flight: Sequence[int],
-                 stage_scale: Sequence[float] | None = None) -> StagePlacement:
+                 widths: Sequence[int], in_flight: Sequence[int], stage_scale: Sequence[float] | None = None,
+                 groups: Sequence[Sequence[int]] | None = None) -> StagePlacement:
     """The contiguous cut and the device group of every stage minimizing the slowest stage within memory.
 
     Args:
@@ -151,6 +171,8 @@ def place_stages(layer_seconds: Sequence[Sequence[float]], layer_bytes: Sequence
             (:func:`whale.plan.schedule.in_flight_micro_batches`).
         stage_scale: per stage, a factor on its time (e.g. the narrowest stage's lanes over this stage's lanes,
             when a wider stage takes fewer rows per device); default 1.
+        groups: fix each stage's devices (``groups[s][t]``), leaving only the cut to choose (e.g. the memory
+            order, where :func:`placement_work` is too large); default: every group is tried.
 
     Returns:
         The optimal :class:`StagePlacement` (exact; see the module docstring for the tie rule).
@@ -184,12 +206,29 @@ def place_stages(layer_seconds: Sequence[Sequence[float]], layer_bytes: Sequence
         t = scale[s] * dsec[:, :, [t for t in range(T) if g[t]]].max(axis=2)
         return np.where(overflow(s, g) <= 0, t, np.inf)
 
-    best, path = _solve(n, widths, type_counts, _cached(seconds))
+    choices = _choices(widths, groups, T)
+    best, path = _solve(n, widths, type_counts, _cached(seconds), choices)
     if not path:
-        _infeasible(n, widths, type_counts, type_capacity, _cached(overflow), dmem, dact, in_flight)
+        _infeasible(n, widths, type_counts, type_capacity, _cached(overflow), dmem, dact, in_flight, choices)
     times = tuple(float(scale[s] * max(dsec[i, j, t] for t in range(T) if g[t]))
                   for s, (g, i, j) in enumerate(path))
     return StagePlacement(tuple(j - i for _, i, j in path), tuple(g for g, _, _ in path), times, best)
+
+
+def _choices(widths: Sequence[int], groups: Sequence[Sequence[int]] | None, T: int) -> Choices:
+    """Every composition of each stage's width (``groups=None``), or only the fixed group of each stage.
+
+    Raises:
+        ValueError: fixed groups of the wrong number, length or width.
+    """
+    if groups is None:
+        return lambda s, room: compositions(widths[s], room)
+    fixed = [tuple(int(x) for x in g) for g in groups]
+    if len(fixed) != len(widths) or any(len(g) != T or sum(g) != w or min(g) < 0
+                                        for g, w in zip(fixed, widths, strict=False)):
+        raise ValueError(f"groups must give, per stage, a count >= 0 of each of the {T} types adding up to the "
+                         f"stage's width {list(widths)}; got {[list(g) for g in fixed]}")
+    return lambda s, room: [fixed[s]] if all(a <= b for a, b in zip(fixed[s], room, strict=True)) else []
 
 
 def _cached(cost: Cost) -> Cost:
@@ -205,9 +244,16 @@ def _cached(cost: Cost) -> Cost:
     return get
 
 
-def _infeasible(n, widths, type_counts, type_capacity, overflow: Cost, dmem, dact, in_flight) -> None:
-    """Raise :class:`InfeasiblePlanError` for the placement with the least worst overflow."""
-    _, path = _solve(n, widths, type_counts, overflow)
+def _infeasible(n, widths, type_counts, type_capacity, overflow: Cost, dmem, dact, in_flight, choices) -> None:
+    """Raise :class:`InfeasiblePlanError` for the placement with the least worst overflow.
+
+    Raises:
+        ValueError: the fixed groups do not fit the device counts or the stage widths.
+    """
+    _, path = _solve(n, widths, type_counts, overflow, choices)
+    if not path:
+        raise ValueError(f"the stage groups cannot be drawn from {list(type_counts)} devices per type for stages of "
+                         f"widths {list(widths)}; give groups of those widths within those counts")
     worst = max(range(len(path)), key=lambda s: overflow(s, path[s][0])[path[s][1], path[s][2]])
     g, i, j = path[worst]
     t = min((t for t in range(len(g)) if g[t]), key=lambda t: type_capacity[t])
