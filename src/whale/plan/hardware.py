@@ -111,9 +111,10 @@ def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list
 
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
-    """Relative load per lane (stages of one width): proportional to the lane's bottleneck speed; with a
-    :class:`MemoryModel`, whole rows of one micro-batch (``memory.global_batch / num_micro_batch``),
-    memory-constrained (the paper's Algorithm 1). Whole rows per micro-batch are what the runtime runs
+    """Relative load per lane (stages of one width): the lane's bottleneck speed (the runtime cuts rows by it,
+    :func:`whale.plan.balance.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
+    (``memory.global_batch / num_micro_batch``), memory-constrained (exact min-max shares,
+    :func:`whale.plan.balance.balance_batch`). Whole rows per micro-batch are what the runtime runs
     (:meth:`Plan.micro_batch_rows` cuts each micro-batch by these weights), so the shares the plan shows are the
     rows that run at that batch size.
 
