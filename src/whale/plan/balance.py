@@ -124,10 +124,11 @@ def _bulk(want: int, n: int, taken, finish, lo: list[int], hi: list[int], unit_s
     """Shares holding every unit that finishes at or below the highest level where fewer than ``want`` units
     (beyond ``lo``) do, found by bisection on the level; the rest (< ties + 1) is placed by the caller's heap."""
     finite = [i for i in range(n) if math.isfinite(unit_seconds[i]) and hi[i] > lo[i]]
+    chosen = set(finite)
     if not finite or want == 0:
         return list(lo)
     if sum(hi[i] - lo[i] for i in finite) <= want:  # every finite device fills up; the rest go to inf ones
-        return [hi[i] if i in finite else lo[i] for i in range(n)]
+        return [hi[i] if i in chosen else lo[i] for i in range(n)]
     count = lambda level: sum(taken(i, level) - lo[i] for i in finite)  # noqa: E731
     low = math.nextafter(min(finish(i, lo[i] + 1) for i in finite), -math.inf)
     high = max(finish(i, min(hi[i], lo[i] + want)) for i in finite)
@@ -140,7 +141,7 @@ def _bulk(want: int, n: int, taken, finish, lo: list[int], hi: list[int], unit_s
             low = mid
             break
         low, high = (low, mid) if got > want else (mid, high)
-    return [taken(i, low) if i in finite else lo[i] for i in range(n)]
+    return [taken(i, low) if i in chosen else lo[i] for i in range(n)]
 
 
 def whole_shares(total: int, weights: list[float] | tuple[float, ...], min_share: int = 0) -> list[int]:
