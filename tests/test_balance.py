@@ -1,5 +1,5 @@
-"""Intra-TaskGraph balancing (Whale paper, Jia et al., USENIX ATC 2022, §3.3, Algorithm 1): property tests
-against brute force."""
+"""Intra-TaskGraph balancing (Whale paper, Jia et al., USENIX ATC 2022, §3.3, made exact): property tests
+against brute force (the optimality check on random instances is in tests/test_placement.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from whale.plan.balance import (
     balance_batch,
     balance_shards,
     max_units,
-    proportional_shares,
+    whole_shares,
 )
 from whale.plan.plan import PlanError
 
@@ -70,9 +70,10 @@ def test_matches_brute_force_feasibility_and_respects_memory(case):
 @FAST
 @given(cases())
 def test_only_overloaded_devices_lose_load_and_they_end_at_their_limit(case):
-    """Algorithm 1 moves load off overloaded devices only, onto devices with room."""
+    """Against the shares memory would not bound, memory moves load off overloaded devices only (as the
+    paper's Algorithm 1 does), onto devices with room."""
     total, flops, cap, fixed, per = case
-    start = proportional_shares(total, flops, 1)
+    start = whole_shares(total, flops, 1)
     try:
         shares = balance_batch(total, flops, cap, fixed, per)
     except InfeasiblePlanError:
@@ -85,14 +86,23 @@ def test_only_overloaded_devices_lose_load_and_they_end_at_their_limit(case):
             assert b >= a
 
 
+def finish_certificate(shares, speeds) -> bool:
+    """The shares are the min-max optimum of ``shares_i / speed_i``: the slowest device finishes its last
+    sample no later than any device would finish one more (so the taken samples are the earliest finishes)."""
+    last = max((k * (1.0 / f) for k, f in zip(shares, speeds, strict=True) if k), default=0.0)
+    return last <= min((k + 1) * (1.0 / f) for k, f in zip(shares, speeds, strict=True))
+
+
 @FAST
 @given(st.integers(0, 500), st.lists(st.floats(0.1, 100.0), min_size=1, max_size=8))
-def test_proportional_to_flops_within_one_sample_when_memory_is_ample(total, flops):
+def test_optimal_and_at_least_the_lower_quota_when_memory_is_ample(total, flops):
+    """Exact min-max shares (not largest remainder): a spare sample goes to the device that finishes it first,
+    which may lift a fast device above its quota's ceiling but never drops one below its floor."""
     n = len(flops)
     shares = balance_batch(total, flops, [1e18] * n, [0.0] * n, 1.0, min_share=0)
-    assert sum(shares) == total
+    assert sum(shares) == total and finish_certificate(shares, flops)
     for s, f in zip(shares, flops, strict=True):
-        assert abs(s - total * f / sum(flops)) < 1
+        assert s >= int(total * f / sum(flops) - 1e-9)
     if total >= n and all(total * f / sum(flops) >= 1 for f in flops):
         assert balance_batch(total, flops, [1e18] * n, [0.0] * n, 1.0) == shares
 
@@ -127,8 +137,8 @@ def test_v100_p100_memory_bound_case_moves_load_to_the_v100():
     assert e.value.device == 1 and e.value.lacking_bytes == pytest.approx(6e8)
 
 
-def test_receivers_fill_by_lowest_utilization():
-    # Device 2 (a fast one) is capped at 10 samples; its 3 extra go where max(compute, memory) util stays lowest.
+def test_receivers_fill_by_earliest_finish():
+    # Device 2 (a slow one) is capped at 10 samples; the rest go where the slowest device stays fastest.
     shares = balance_batch(64, [15.7e12] * 2 + [10.6e12] * 2, [3e9, 32e9, 2e9, 16e9], [1e9] * 4, 1e8)
     assert shares == [20, 20, 10, 14]
 

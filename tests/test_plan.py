@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import whale as wh
-from whale.plan.balance import proportional_shares
+from whale.plan.balance import whole_shares
 from whale.plan.plan import NestedScope, Plan, PlanError, SharedParam, StageCut, TaskGraph
 from whale.plan.planner import TaskGraphSummary, make_plan
 
@@ -21,12 +21,14 @@ def _plan(counts=(1, 1), world=4, **cfg):
 
 
 @given(st.integers(0, 10_000), st.lists(st.floats(0.01, 100), min_size=1, max_size=16))
-def test_apportion_is_exact_and_proportional(total, weights):
-    shares = proportional_shares(total, weights)
+def test_apportion_is_exact_and_optimal(total, weights):
+    shares = whole_shares(total, weights)
     assert sum(shares) == total
     wsum = sum(weights)
     for s, w in zip(shares, weights, strict=True):
-        assert abs(s - total * w / wsum) < 1.0
+        assert s >= int(total * w / wsum - 1e-9)  # at least the lower quota
+    last = max((k * (1.0 / w) for k, w in zip(shares, weights, strict=True) if k), default=0.0)
+    assert last <= min((k + 1) * (1.0 / w) for k, w in zip(shares, weights, strict=True))  # min-max optimal
 
 
 def test_rank_layout_dp_times_pp():

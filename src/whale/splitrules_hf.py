@@ -10,17 +10,18 @@ and the runtime agree.
 Units. A Llama attention is cut by whole key/value heads, each with the ``num_key_value_groups`` query heads that
 attend with it (grouped-query attention keeps its grouping on every shard); a GPT-2 attention by whole heads
 (self-attention only); a Llama or GPT-2 MLP by intermediate features. Shard sizes in units come from the split's
-shard weights by Whale's one apportionment (:func:`whale.plan.balance.proportional_shares`: largest remainder,
-every shard at least one unit), so hardware-aware shares are rounded to whole key/value heads. Explicit element
-sizes (``shard_module(..., sizes=...)``) must be whole multiples of a unit; they are never rounded (that would
-silently change the split asked for): anything else is refused with :class:`~whale.splitrules.SplitError`.
+shard weights by Whale's one apportionment (:func:`whale.plan.balance.whole_shares`: the slowest shard as
+fast as whole units allow, every shard at least one unit), so hardware-aware shares are rounded to whole
+key/value heads. Explicit element sizes (``shard_module(..., sizes=...)``) must be whole multiples of a unit;
+they are never rounded (that would silently change the split asked for): anything else is refused with
+:class:`~whale.splitrules.SplitError`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from whale.plan.balance import proportional_shares
+from whale.plan.balance import whole_shares
 from whale.splitrules import SplitError, _bound, _name, _register_builtin_check, _where
 
 __all__ = ["kv_heads", "unit_shards", "HF_TYPES"]
@@ -76,7 +77,7 @@ def unit_shards(units: int, n: int, weights=None, sizes=None, unit: int = 1, wha
     if len(weights) != n or min(weights) < 0 or not sum(weights) > 0:
         raise SplitError(f"split of {where} got shard weights {weights}; give {n} non-negative numbers with a "
                          "positive sum")
-    return proportional_shares(units, weights, min_share=1)
+    return whole_shares(units, weights, min_share=1)
 
 
 # --- plan-time checks (called with the module, its FQN and the split's device count) ----------------------

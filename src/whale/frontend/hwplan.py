@@ -2,11 +2,12 @@
 (the Whale paper's §3.3); :mod:`whale.frontend.memplan` turns the profile into each stage's memory.
 
 Everything here is analysis before any process group is touched; the arithmetic lives in the pure functions
-of :mod:`whale.plan.partition`, :mod:`whale.plan.balance` and :mod:`whale.plan.hardware`.
+of :mod:`whale.plan.placement`, :mod:`whale.plan.balance` and :mod:`whale.plan.hardware`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,19 +17,22 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile, profile_model
 from whale.plan.balance import InfeasiblePlanError
-from whale.plan.hardware import apply_hardware
-from whale.plan.partition import partition_layers
+from whale.plan.hardware import device_order
+from whale.plan.placement import place_stages, placement_work
 from whale.plan.plan import Plan, StageCut
 from whale.plan.schedule import in_flight_micro_batches
 
 
 @dataclass(frozen=True)
 class UnitCut:
-    """Pipeline cut chosen by speed and memory: ``stage_of`` (tensor FQN -> stage) and the unit names per
-    stage."""
+    """Pipeline cut and device placement chosen by speed and memory: ``stage_of`` (tensor FQN -> stage), the
+    unit names per stage, the plan's ``device_order`` (slot -> rank; empty = identity) and a note for the plan's
+    printout."""
 
     stage_of: dict[str, int]
     units: list[list[str]]
+    device_order: tuple[int, ...] = ()
+    note: str = ""
 
 
 def sample_rows(sample_batch) -> int:
@@ -65,47 +69,109 @@ def profile(model: nn.Module, sample_batch, rows: int = 2, loss_fn=None) -> Mode
     return profile_model(model, make, batch_size=b, loss_fn=loss)
 
 
-def _stage_speeds(layout: Plan, cluster: ClusterSpec, dtype: str = "fp32") -> tuple[list[float], list[float]]:
-    """Per stage, the speed of one of its devices (the slowest) times its lanes over the narrowest stage's
-    lanes (a stage twice as wide takes each micro-batch's rows twice as fast), and the least memory."""
-    devs = cluster.devices()
-    speeds, caps = [], []
-    fewest = min(layout.lanes_of(s) for s in range(layout.num_stages))
-    for s in range(layout.num_stages):
-        ranks = layout.stage_ranks(s)
-        speeds.append(min(devs[r].flops(dtype) for r in ranks) * layout.lanes_of(s) / fewest)
-        caps.append(min(memory_capacity(cluster, r) for r in ranks))
-    return speeds, caps
+@dataclass(frozen=True)
+class DeviceTypes:
+    """The cluster's ranks grouped into interchangeable device types (same name, speed and memory), listed by
+    memory, largest first (ties: first rank first), so placement ties keep the paper's memory order.
+
+    Attributes:
+        names: device name per type.
+        speeds: peak FLOP/s per type (for the plan's dtype).
+        capacity: bytes one device of each type may use (times ``memory_scale`` when emulating).
+        ranks: global ranks of each type, ascending.
+    """
+
+    names: tuple[str, ...]
+    speeds: tuple[float, ...]
+    capacity: tuple[float, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+
+def device_types(cluster: ClusterSpec, dtype: str = "fp32") -> DeviceTypes:
+    """Group ``cluster``'s ranks by (name, speed, memory) into :class:`DeviceTypes`."""
+    groups: dict[tuple, list[int]] = {}
+    for r, d in enumerate(cluster.devices()):
+        groups.setdefault((d.name, d.flops(dtype), memory_capacity(cluster, r)), []).append(r)
+    keys = sorted(groups, key=lambda k: (-k[2], groups[k][0]))
+    return DeviceTypes(tuple(k[0] for k in keys), tuple(k[1] for k in keys), tuple(k[2] for k in keys),
+                       tuple(tuple(groups[k]) for k in keys))
+
+
+def unit_seconds(layer_flops: list[float], types: DeviceTypes) -> list[list[float]]:
+    """Seconds of each unit on one device of each type, ``[unit][type]``: FLOPs / peak FLOP/s. The one place
+    where a calibrated time per FLOP (by layer type and device type) plugs into the placement."""
+    return [[f / speed for speed in types.speeds] for f in layer_flops]
+
+
+def placement_order(layout: Plan, types: DeviceTypes, groups) -> tuple[int, ...]:
+    """``device_order`` (slot -> rank) running stage s on ``groups[s][t]`` devices of each type t: ranks of a
+    type in ascending order, stage by stage; a stage's ranks (ascending) fill its lanes in order; ``()`` when
+    that is the identity."""
+    pools = [list(r) for r in types.ranks]
+    stage_ranks = [sorted(r for t, k in enumerate(g) for r in (pools[t].pop(0) for _ in range(k))) for g in groups]
+    order = [stage_ranks[s][k * n + j] for k in range(layout.num_replicas)
+             for s, n in enumerate(layout.stage_widths) for j in range(n)]
+    return tuple(order) if order != list(range(layout.world_size)) else ()
+
+
+PLACEMENT_WORK_LIMIT = 4e7
+"""Largest :func:`whale.plan.placement.placement_work` searched exactly (about a second on one core); above it
+the stages keep the paper's memory order and only the cut is chosen (the plan's note says so)."""
+
+
+def memory_order_groups(layout: Plan, types: DeviceTypes, cluster: ClusterSpec) -> list[tuple[int, ...]]:
+    """Per stage, devices of each type under the paper's memory order (:func:`whale.plan.hardware.device_order`
+    on a plan without an order: in each replica, largest memory first)."""
+    ordered = dataclasses.replace(layout, device_order=device_order(dataclasses.replace(layout, device_order=()),
+                                                                    cluster))
+    type_of = {r: t for t, ranks in enumerate(types.ranks) for r in ranks}
+    return [tuple(sum(type_of[r] == t for r in ordered.stage_ranks(s)) for t in range(len(types.names)))
+            for s in range(layout.num_stages)]
+
+
+def _placement_note(types: DeviceTypes, placement, units: list[list[str]], exact: bool) -> str:
+    stages = "; ".join(
+        f"stage {s}: {' + '.join(f'{k} x {types.names[t]}' for t, k in enumerate(g) if k)}, {len(names)} unit(s)"
+        for s, (g, names) in enumerate(zip(placement.groups, units, strict=True)))
+    how = ("stage cut and device types chosen together, exact" if exact else
+           "devices in memory order (the exact search is too large for this cluster), cut chosen for it")
+    return (f"pipeline placement ({how}): {stages}; slowest stage {placement.bottleneck * 1e3:.3g} ms per "
+            "micro-batch at peak FLOPS")
 
 
 def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
                  global_batch: int) -> UnitCut:
-    """Contiguous unit cut minimizing the slowest stage within memory, on the devices ``layout`` (a plan with
-    the device order already applied) gives each stage. Stages of different widths are compared by rows per
-    device of the narrowest stage (activation bytes are counted at that many rows on every stage: an upper
-    bound for the wider ones).
+    """Contiguous unit cut and the devices of every stage, chosen together to minimize the slowest stage within
+    memory (:func:`whale.plan.placement.place_stages`, exact); ``layout`` gives the stage widths and
+    replicas. Stages of different widths are compared by rows per device (a stage twice as wide takes each
+    micro-batch's rows twice as fast); activation bytes are counted at the narrowest stage's rows per device
+    on every stage (an upper bound for the wider ones).
 
-    When no cut fits the devices' memory without memory techniques, the cut minimizes the slowest stage alone
+    When no placement fits the devices' memory without memory techniques, it minimizes the slowest stage alone
     and :mod:`whale.plan.memory` then adds checkpointing, ZeRO or offload (or says nothing fits).
     """
-    layout = apply_hardware(layout, cluster)
-    speeds, caps = _stage_speeds(layout, cluster)
+    types = device_types(cluster)
     units = list(prof.units)
-    mb_rows = global_batch / config.num_micro_batch / min(layout.lanes_of(s) for s in range(layout.num_stages))
+    widths = [layout.lanes_of(s) for s in range(layout.num_stages)]
+    mb_rows = global_batch / config.num_micro_batch / min(widths)
     flops = [u.train_flops * mb_rows for u in units]
     flops[-1] += prof.rest.train_flops * mb_rows
     static = [float(u.static_bytes) for u in units]
     act = [u.activation_bytes * mb_rows for u in units]
     s_count, m = layout.num_stages, config.num_micro_batch
     in_flight = [in_flight_micro_batches(s, s_count, m, config.schedule) for s in range(s_count)]
+    args = (unit_seconds(flops, types), static, act, [len(r) for r in types.ranks])
+    exact = placement_work(widths, args[3], len(units)) <= PLACEMENT_WORK_LIMIT
+    rest = (widths, in_flight, [min(widths) / w for w in widths], None if exact else
+            memory_order_groups(layout, types, cluster))
     try:
-        counts = partition_layers(flops, static, speeds, caps, act, in_flight)
-    except InfeasiblePlanError:  # no cut fits as is: cut by speed; the memory planner adds what makes it fit
-        counts = partition_layers(flops, static, speeds, [float("inf")] * len(caps), act, in_flight)
+        placed = place_stages(*args, list(types.capacity), *rest)
+    except InfeasiblePlanError:  # nothing fits as is: place by speed; the memory planner adds what makes it fit
+        placed = place_stages(*args, [sum(static) + max(in_flight) * sum(act) + 1.0] * len(types.names), *rest)
     stage_of: dict[str, int] = {}
     names: list[list[str]] = []
     start = 0
-    for s, c in enumerate(counts):
+    for s, c in enumerate(placed.counts):
         names.append([u.name for u in units[start:start + c]])
         for u in units[start:start + c]:
             mod = model.get_submodule(u.name)
@@ -113,7 +179,8 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
                             *mod.named_buffers(prefix=u.name, remove_duplicate=False)]:
                 stage_of.setdefault(name, s)
         start += c
-    return UnitCut(stage_of, names)
+    return UnitCut(stage_of, names, placement_order(layout, types, placed.groups),
+                   _placement_note(types, placed, names, exact))
 
 
 def _unit_stages(prof: ModelProfile, stage_params: list[set[str]]) -> list[int]:

@@ -8,7 +8,7 @@ the backward temporaries of the stage's units counted from the moment its backwa
 rank holds: the received gradient, the gradients of activations, the loss's gradient of the logits).
 
 :func:`fit_memory` asks :func:`whale.plan.memory.choose_memory_options` for the cheapest allowed techniques
-that fit, placing the plan for each candidate with the paper's Algorithm 1 (:func:`apply_hardware`) under a
+that fit, placing the plan for each candidate with exact memory-constrained shares (:func:`apply_hardware`) under a
 :class:`MemoryModel` of that candidate, and records the choice in the plan.
 """
 

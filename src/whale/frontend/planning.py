@@ -1,7 +1,8 @@
 """The front end: model + annotations + cluster -> a complete :class:`~whale.plan.plan.Plan`, and nothing else.
 
 Steps: record the TaskGraphs from the annotations; with a sample batch and a cluster, profile the model on fake
-tensors (no compute); on a mixed cluster, cut the pipeline by device speed and memory (the Whale paper's §3.3);
+tensors (no compute); on a mixed cluster, cut the pipeline and choose each stage's devices together by speed and
+memory (:func:`whale.plan.placement.place_stages`, exact; the Whale paper's §3.3 orders by memory first);
 cut the traced model into stages and record the cut by name; call the pure planner
 (:func:`whale.plan.planner.make_plan`); balance the plan for the devices
 (:func:`whale.plan.hardware.apply_hardware`). No process group is touched; nothing from :mod:`whale.parallel`
@@ -100,12 +101,11 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
     aware = cluster is not None and config.hardware_aware
     prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
-    units = None
+    speed_cut = None
     if pipelined and prof is not None and is_heterogeneous(cluster):
         layout = make_plan(kinds, world_size, config)
         speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
-        stage_of, units = speed_cut.stage_of, speed_cut.units
-    plan, stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,
+    plan, stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, speed_cut,
                                  sample_batch)
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
@@ -153,20 +153,24 @@ def _with_checkpointing(model: nn.Module, plan: Plan, config: Config) -> Plan:
     return dataclasses.replace(plan, activation_checkpoint=names)
 
 
-def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, units,
-                  sample_batch=None) -> tuple[Plan, tuple[nn.Module, ...]]:
-    """Cut the model into stages (pipelines) or TaskGraph name sets (one stage) and call the planner; returns
-    the plan and the stage modules (empty for one stage)."""
+def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined,
+                  speed_cut: hwplan.UnitCut | None, sample_batch=None) -> tuple[Plan, tuple[nn.Module, ...]]:
+    """Cut the model into stages (pipelines; by ``speed_cut``'s units and on its devices when given) or
+    TaskGraph name sets (one stage) and call the planner; returns the plan and the stage modules (empty for one
+    stage)."""
     if not pipelined:
         name_sets = colocated_names(model, tg_scopes, scopes)
         return make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config), ()
     leaves = split_leaves(model, scopes)
     spec = _capture_spec(config, sample_batch)
-    cut = cut_model(model, stage_of, len(tg_scopes), leaves, units, spec)
+    units = speed_cut.units if speed_cut else None
+    cut = cut_model(model, speed_cut.stage_of if speed_cut else stage_of, len(tg_scopes), leaves, units, spec)
     name_sets = [set(all_tensors(m)) for m in cut.modules]
     plan = make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
                      stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)
     plan = dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
+    if speed_cut is not None:  # the devices the placement chose for each stage (apply_hardware keeps them)
+        plan = dataclasses.replace(plan, device_order=speed_cut.device_order, notes=plan.notes + (speed_cut.note,))
     return plan, cut.modules
 
 

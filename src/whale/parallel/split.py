@@ -6,7 +6,7 @@ al. 2019), with uneven shards.
 A split TaskGraph's parameters are cut along one dim across the ranks of its VirtualDevice (a process group of
 n ranks). Shards may be **uneven**: ``sizes`` (one whole number per rank, in group-rank order, each ≥ 1, adding
 up to the dim) come from the plan, e.g. proportional to device FLOPS; ``sizes=None`` means equal shares
-(largest remainder, :func:`shard_sizes`). Each sharded layer is built **from** an existing full layer and copies
+(whole elements, :func:`shard_sizes`). Each sharded layer is built **from** an existing full layer and copies
 its local slice, so the sharded model computes the same numbers as the unsharded one.
 
 Sharded layers (N = rows of the input, i.e. numel / last dim; bytes handed to collectives per rank and step,

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from whale.plan.balance import proportional_shares
+from whale.plan.balance import whole_shares
 
 comm_bytes: Counter = Counter()
 """Bytes this process handed to split collectives (result buffer sizes, see the module docstring), by kind:
@@ -53,10 +53,9 @@ read it to report measured communication."""
 def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> list[int]:
     """Whole shard sizes for cutting a dim of ``dim_size`` elements into ``n`` shards, adding up to ``dim_size``.
 
-    Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) proportional to them.
-    Every shard gets at least one element. Both by :func:`whale.plan.balance.proportional_shares` (largest
-    remainder, ties to the lower index; a shard below one element takes it from the shard furthest above its
-    quota).
+    Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) following them. Every
+    shard gets at least one element. Both by :func:`whale.plan.balance.whole_shares` (the shares minimizing
+    the slowest shard's ``size / weight`` exactly, ties to the lower index).
 
     Raises:
         ValueError: ``n < 1``; more shards than elements (``n > dim_size``); ``weights`` of the wrong length,
@@ -70,7 +69,7 @@ def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> li
     weights = [1.0] * n if weights is None else [float(w) for w in weights]
     if len(weights) != n or min(weights) < 0 or not sum(weights) > 0:
         raise ValueError(f"weights must be {n} non-negative numbers with a positive sum, got {weights}")
-    return proportional_shares(dim_size, weights, min_share=1)
+    return whole_shares(dim_size, weights, min_share=1)
 
 
 def check_sizes(sizes: list[int], dim_size: int, n: int) -> list[int]:

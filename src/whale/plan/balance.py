@@ -1,20 +1,19 @@
-"""Intra-TaskGraph load balancing: hardware-aware, memory-constrained shares (Whale paper, Jia et al., USENIX ATC
-2022, §3.3, Algorithm 1).
+"""Intra-TaskGraph load balancing: hardware-aware, memory-constrained whole shares (Whale paper, Jia et al.,
+USENIX ATC 2022, §3.3), made exact.
 
 A TaskGraph's work is cut into whole units — samples of the global batch for ``replicate``, elements of the
 sharded dimension for ``split`` — and device i gets L_i units. Device i then needs
-``mem_fixed[i] + L_i * mem_per_unit`` bytes, which must not exceed ``mem_capacity[i]``.
+``mem_fixed[i] + L_i * mem_per_unit`` bytes, which must not exceed ``mem_capacity[i]``, and spends
+``L_i / FLOPS_i`` (relative) seconds on them.
 
-Algorithm (the paper's Algorithm 1 on whole units):
-  1. start from shares proportional to peak FLOP/s (largest remainder, ties to the lower index), raised to
-     ``min_share`` where needed;
-  2. while some device is over its memory, move load from the most overloaded device to the device with the
-     lowest max(compute utilization, memory utilization) that still has room, where compute utilization is
-     L_j / (its FLOPS-proportional quota) and memory utilization is used bytes / capacity — measured after
-     taking the unit, which keeps the slowest receiver as fast as possible;
-  3. if load remains that no device can take, the plan is infeasible: :class:`InfeasiblePlanError`.
-Moving from several overloaded devices ends in the same state as moving from the most overloaded one first,
-so step 2 clamps every overloaded device to its limit and hands the excess out greedily. Deterministic.
+The paper's Algorithm 1 starts from FLOPS-proportional shares and moves load off devices whose memory
+overflows. Rounding those shares to whole units (largest remainder) can hand the spare unit to a slow device
+(3 x P100 + 1 x H100 with 12 samples: [2, 1, 1, 8] instead of [1, 1, 1, 9], 1.4x slower). Here the shares are
+the exact optimum of the same problem: minimize the slowest device, ``max_i L_i / FLOPS_i``, subject to
+``sum L_i = total``, ``min_share <= L_i`` and each device's memory (:func:`min_max_shares`: give each next unit
+to the device that finishes it first, which is exact for a min-max of rising per-device times). If the memory
+of all devices together cannot hold the work, the plan is infeasible: :class:`InfeasiblePlanError` names the
+device and the bytes. Deterministic.
 """
 
 from __future__ import annotations
@@ -44,43 +43,133 @@ class InfeasiblePlanError(PlanError):
         self.lacking_bytes = need_bytes - capacity_bytes
 
 
-def proportional_shares(total: int, weights: list[float], min_share: int = 0) -> list[int]:
-    """Whole shares of ``total`` proportional to ``weights``, adding up to ``total`` exactly.
+def min_max_shares(total: int, unit_seconds: list[float], fixed_seconds: list[float] | None = None,
+                   min_share: int = 0, max_share: list[int] | None = None) -> list[int]:
+    """Whole shares ``b_i`` of ``total`` minimizing the slowest device, ``max_i fixed_i + b_i * unit_i``, exactly.
 
-    Largest-remainder (Hamilton) method: every share first gets the floor of its quota ``total * w_i / sum(w)``,
-    then the units left go to the largest fractional parts (ties to the lower index). Every share below
-    ``min_share`` is then raised one unit at a time, each unit taken from the share furthest above its quota
-    (ties to the lower index). Deterministic. This is Whale's one apportionment: batch shares, shard sizes and
-    the starting point of :func:`balance_batch` / :func:`balance_shards` all come from here.
+    Constraints: ``sum(b) = total`` and ``min_share <= b_i <= max_share[i]``. Every device first takes
+    ``min_share``; each further unit k of device i finishes at ``fixed_i + k * unit_i`` (rising in k), and the
+    ``total - n * min_share`` smallest of these finish times are taken (ties to the device with fewer units,
+    then to the lower index). This greedy
+    ("give the next unit to the device that finishes it first") is exact for the min-max objective: any
+    assignment takes that many distinct finish times, so its slowest device is at least the largest one taken
+    here. Done in bulk: a bisection on the finish time takes all units at or below a level, and a heap places
+    the last few one at a time. Deterministic; O(n log(total)) arithmetic.
 
     Args:
-        total: units to share (whole samples, elements of a dim), >= 0.
-        weights: one finite number >= 0 per share, with a positive sum (e.g. device FLOP/s); a zero weight
-            gets ``min_share``.
-        min_share: fewest units any share may get.
+        total: units to share (whole samples or elements of a dim), >= 0.
+        unit_seconds: seconds one unit costs on each device (> 0; ``inf`` for a device that should only take
+            units no other device can).
+        fixed_seconds: seconds each device spends whatever its share (default 0; finite, >= 0).
+        min_share: fewest units any device takes.
+        max_share: most units each device may take (e.g. what its memory holds; default ``total``).
+
+    Returns:
+        ``b_i`` per device, adding up to ``total``.
+
+    Raises:
+        ValueError: no devices, bad values or lengths, ``min_share`` above some ``max_share``, or
+            ``total`` outside ``[n * min_share, sum(max_share)]`` (the message names the values).
+    """
+    n = len(unit_seconds)
+    fixed = [0.0] * n if fixed_seconds is None else [float(f) for f in fixed_seconds]
+    hi = [total] * n if max_share is None else [min(int(m), total) for m in max_share]
+    _check_min_max(total, unit_seconds, fixed, min_share, hi)
+    lo = [min_share] * n
+
+    def finish(i: int, k: int) -> float:
+        """Seconds device i needs for its k-th unit (k >= 1)."""
+        return fixed[i] + k * unit_seconds[i]
+
+    def taken(i: int, level: float) -> int:
+        """Units of device i (within its bounds) finishing at or below ``level``."""
+        t = unit_seconds[i]
+        if not math.isfinite(t):
+            return lo[i]
+        k = min(hi[i], max(lo[i], math.floor(min((level - fixed[i]) / t, 2.0 ** 62))))
+        while k < hi[i] and finish(i, k + 1) <= level:
+            k += 1
+        while k > lo[i] and finish(i, k) > level:
+            k -= 1
+        return k
+
+    want = total - n * min_share
+    shares = _bulk(want, n, taken, finish, lo, hi, unit_seconds)
+    heap = [(finish(i, shares[i] + 1), shares[i] + 1, i) for i in range(n) if shares[i] < hi[i]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(shares)):
+        _, _, i = heapq.heappop(heap)
+        shares[i] += 1
+        if shares[i] < hi[i]:
+            heapq.heappush(heap, (finish(i, shares[i] + 1), shares[i] + 1, i))
+    return shares
+
+
+def _check_min_max(total: int, unit_seconds: list[float], fixed: list[float], min_share: int, hi: list[int]) -> None:
+    n = len(unit_seconds)
+    if n == 0 or len(fixed) != n or len(hi) != n:
+        raise ValueError(f"unit_seconds, fixed_seconds and max_share need one entry per device; got lengths "
+                         f"{n}, {len(fixed)}, {len(hi)}")
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0 or min_share < 0:
+        raise ValueError(f"the amount to share and min_share must be ints >= 0, got {total!r}, {min_share!r}")
+    if any(not t > 0 for t in unit_seconds) or any(not (f >= 0 and math.isfinite(f)) for f in fixed):
+        raise ValueError(f"unit_seconds must be > 0 (inf allowed) and fixed_seconds finite >= 0, got "
+                         f"{unit_seconds}, {fixed}")
+    if min(hi) < min_share or not n * min_share <= total <= sum(hi):
+        raise ValueError(f"cannot share {total} unit(s) over {n} devices with at least {min_share} and at most "
+                         f"{hi} each; give a total in [{n * min_share}, {sum(hi)}] or more room")
+
+
+def _bulk(want: int, n: int, taken, finish, lo: list[int], hi: list[int], unit_seconds: list[float]) -> list[int]:
+    """Shares holding every unit that finishes at or below the highest level where fewer than ``want`` units
+    (beyond ``lo``) do, found by bisection on the level; the rest (< ties + 1) is placed by the caller's heap."""
+    finite = [i for i in range(n) if math.isfinite(unit_seconds[i]) and hi[i] > lo[i]]
+    chosen = set(finite)
+    if not finite or want == 0:
+        return list(lo)
+    if sum(hi[i] - lo[i] for i in finite) <= want:  # every finite device fills up; the rest go to inf ones
+        return [hi[i] if i in chosen else lo[i] for i in range(n)]
+    count = lambda level: sum(taken(i, level) - lo[i] for i in finite)  # noqa: E731
+    low = math.nextafter(min(finish(i, lo[i] + 1) for i in finite), -math.inf)
+    high = max(finish(i, min(hi[i], lo[i] + want)) for i in finite)
+    for _ in range(200):
+        mid = (low + high) / 2
+        if not low < mid < high:
+            break
+        got = count(mid)
+        if got == want:
+            low = mid
+            break
+        low, high = (low, mid) if got > want else (mid, high)
+    return [taken(i, low) if i in chosen else lo[i] for i in range(n)]
+
+
+def whole_shares(total: int, weights: list[float] | tuple[float, ...], min_share: int = 0) -> list[int]:
+    """Whole shares of ``total`` for devices of speed ``weights``: minimizes ``max_i shares_i / weights_i``
+    exactly (:func:`min_max_shares` with ``unit_seconds = 1 / weight``), adding up to ``total``.
+
+    This is Whale's one apportionment: batch shares (:meth:`Plan.micro_batch_rows`), shard sizes of ``split``,
+    ZeRO shards and the speed part of :func:`balance_batch` / :func:`balance_shards` all come from here. Shares
+    are near ``total * w_i / sum(w)``; where rounding leaves a unit over it goes to the device that finishes it
+    first (a largest-remainder rounding can hand it to a slow device); with ``min_share = 0`` every share is at
+    least the floor of its quota. A weight of 0 gets ``min_share``. Deterministic (ties to the device with fewer
+    units, then to the lower index).
 
     Raises:
         ValueError: empty weights, a negative or non-finite weight, an all-zero sum, or
             ``total < len(weights) * min_share``.
     """
-    n = len(weights)
-    if n == 0 or any(not (w >= 0 and math.isfinite(w)) for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"weights must be a non-empty list of finite numbers >= 0 with a positive sum, "
-                         f"got {weights}")
-    if total < n * min_share:
-        raise ValueError(f"cannot give {n} devices at least {min_share} each out of {total}")
-    s = sum(weights)
-    quota = [total * w / s for w in weights]
-    shares = [math.floor(q) for q in quota]
-    order = sorted(range(n), key=lambda i: (-(quota[i] - shares[i]), i))
-    for i in order[: total - sum(shares)]:
-        shares[i] += 1
-    for i in range(n):
-        while shares[i] < min_share:
-            donor = max((j for j in range(n) if shares[j] > min_share), key=lambda j: (shares[j] - quota[j], -j))
-            shares[donor] -= 1
-            shares[i] += 1
-    return shares
+    w = [float(x) for x in weights]
+    if not w or any(not (x >= 0 and math.isfinite(x)) for x in w) or not sum(w) > 0:
+        raise ValueError(f"weights must be a non-empty list of finite numbers >= 0 with a positive sum, got {w}")
+    if isinstance(total, bool) or not isinstance(total, int) or total < len(w) * min_share:
+        raise ValueError(f"cannot give {len(w)} devices at least {min_share} each out of {total!r}")
+    return min_max_shares(total, [1.0 / x if x > 0 else math.inf for x in w], min_share=min_share)
+
+
+def proportional_shares(total: int, weights: list[float], min_share: int = 0) -> list[int]:
+    """The same as :func:`whole_shares` (the name callers used before the apportionment became exact)."""
+    return whole_shares(total, weights, min_share)
 
 
 def max_units(capacity: float, fixed: float, per_unit: float, cap: int) -> int:
@@ -114,62 +203,20 @@ def _validate(total: int, flops: list[float], cap: list[float], fixed: list[floa
         raise ValueError(f"memory per unit must be a finite number >= 0 (bytes), got {per}")
 
 
-def _fill(shares: list[int], limits: list[int], quota: list[float], excess: int,
-          util_mem: list[tuple[float, float]]) -> int:
-    """Hand ``excess`` units, one at a time, each to the device with room whose max(compute, memory)
-    utilization after taking it is lowest (ties to the lower index); changes ``shares`` in place.
-
-    Compute utilization is L_j / quota_j; memory utilization is ``a_j + b_j * L_j`` with
-    ``util_mem[j] = (a_j, b_j) = (fixed_j / cap_j, per_unit / cap_j)``. Done as water-filling: a bisection on
-    the utilization level finds the bulk, then a heap places the last few units exactly. Returns the units no
-    device could take."""
-    n = len(shares)
-
-    def util(j: int, load: int) -> float:
-        """Utilization of device j at a load."""
-        a, b = util_mem[j]
-        return max(load / quota[j], a + b * load)
-
-    def load_at(j: int, level: float) -> int:  # largest load in [shares_j, limits_j] with util <= level
-        """Largest load of device j with utilization <= level."""
-        a, b = util_mem[j]
-        x = min(level * quota[j], (level - a) / b if b > 0 else math.inf)
-        return max(shares[j], min(limits[j], math.floor(x) if math.isfinite(x) else limits[j]))
-
-    def gained(level: float) -> int:
-        """Units placed at a level."""
-        return sum(load_at(j, level) - shares[j] for j in range(n))
-
-    room = sum(max(0, limits[j] - shares[j]) for j in range(n))
-    if room <= excess:
-        for j in range(n):
-            shares[j] = max(shares[j], limits[j])
-        return excess - room
-    lo, hi = 0.0, 1.0
-    while gained(hi) < excess:
-        lo, hi = hi, hi * 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if not lo < mid < hi:
-            break
-        lo, hi = (lo, mid) if gained(mid) >= excess else (mid, hi)
-    bulk = [load_at(j, lo) for j in range(n)]
-    excess -= sum(bulk) - sum(shares)
-    shares[:] = bulk
-    heap = [(util(j, shares[j] + 1), j) for j in range(n) if shares[j] < limits[j]]
-    heapq.heapify(heap)
-    while excess > 0:
-        _, j = heapq.heappop(heap)
-        shares[j] += 1
-        excess -= 1
-        if shares[j] < limits[j]:
-            heapq.heappush(heap, (util(j, shares[j] + 1), j))
-    return 0
+def _limits_text(limits: list[int], cap: list[float], unit: str) -> str:
+    """``device i holds L unit(s) in B`` for up to 8 devices (the rest counted)."""
+    parts = [f"device {i} holds {lim} in {format_bytes(c)}" for i, (lim, c) in enumerate(zip(limits, cap, strict=True))]
+    more = f", and {len(parts) - 8} more" if len(parts) > 8 else ""
+    return f"{unit}s per device: " + ", ".join(parts[:8]) + more
 
 
 def _balance(total: int, flops: list[float], cap: list[float], fixed: list[float], per: float,
              min_share: int, unit: str) -> list[int]:
-    """Algorithm 1 on whole units (module docs); ``unit`` names them in error messages."""
+    """Exact min-max shares within memory (module docs); ``unit`` names the units in error messages.
+
+    Raises:
+        InfeasiblePlanError: a device cannot hold ``min_share`` units, or all together cannot hold ``total``.
+    """
     _validate(total, flops, cap, fixed, per)
     n = len(flops)
     limits = [max_units(cap[i], fixed[i], per, total) for i in range(n)]
@@ -180,31 +227,26 @@ def _balance(total: int, flops: list[float], cap: list[float], fixed: list[float
                 f"device {i} needs {format_bytes(need)} ({format_bytes(fixed[i])} fixed + {min_share} {unit}(s) x "
                 f"{format_bytes(per)}) but has {format_bytes(cap[i])}; it lacks {format_bytes(need - cap[i])}",
                 i, need, cap[i])
-    shares = proportional_shares(total, flops, min_share)
-    s = sum(flops)
-    quota = [total * f / s for f in flops]
-    over = [(fixed[i] + shares[i] * per - cap[i], -i) for i in range(n) if shares[i] > limits[i]]
-    excess = sum(max(0, shares[i] - limits[i]) for i in range(n))
-    if excess == 0:
-        return shares
-    worst = -max(over)[1]
-    shares = [min(shares[i], limits[i]) for i in range(n)]
-    util_mem = [(fixed[i] / cap[i], per / cap[i]) if cap[i] > 0 else (0.0, 0.0) for i in range(n)]  # 0 B of 0 B
-    left = _fill(shares, limits, quota, excess, util_mem)
-    if left:
-        need = fixed[worst] + (shares[worst] + left) * per
+    seconds = [1.0 / f for f in flops]
+    if sum(limits) < total:  # name the device the unbounded optimum overloads most
+        free = min_max_shares(total, seconds, min_share=min_share)
+        worst = max(range(n), key=lambda i: (fixed[i] + free[i] * per - cap[i], -i))
+        left = total - sum(limits)
+        need = fixed[worst] + (limits[worst] + left) * per
         total_need = sum(fixed) + total * per
         raise InfeasiblePlanError(
-            f"device {worst} would need {format_bytes(need)} for {shares[worst] + left} {unit}(s) but has "
+            f"device {worst} would need {format_bytes(need)} for {limits[worst] + left} {unit}(s) but has "
             f"{format_bytes(cap[worst])}; it lacks {format_bytes(need - cap[worst])} and every other device is "
-            f"full (all devices together need {format_bytes(total_need)}, have {format_bytes(sum(cap))})",
+            f"full (all devices together need {format_bytes(total_need)}, have {format_bytes(sum(cap))}; "
+            f"{_limits_text(limits, cap, unit)}). Use more devices, devices with more memory or a smaller batch",
             worst, need, cap[worst])
-    return shares
+    return min_max_shares(total, seconds, min_share=min_share, max_share=limits)
 
 
 def balance_batch(global_batch: int, flops: list[float], mem_capacity: list[float], mem_fixed: list[float],
                   mem_per_sample: float, min_share: int = 1) -> list[int]:
-    """Per-device batch shares for a replicate TaskGraph (paper §3.3, Algorithm 1).
+    """Per-device batch shares for a replicate TaskGraph (paper §3.3): the whole shares minimizing the slowest
+    device's time ``max_i L_i / flops_i`` exactly within each device's memory (module docs).
 
     Args:
         global_batch: samples per step (all devices together).
@@ -215,7 +257,8 @@ def balance_batch(global_batch: int, flops: list[float], mem_capacity: list[floa
         min_share: fewest samples a device may get (default 1, so every rank has work).
 
     Returns:
-        Whole samples per device, adding up to ``global_batch`` exactly, each device within its memory.
+        Whole samples per device, adding up to ``global_batch`` exactly, each device within its memory, the
+        slowest device as fast as any such assignment allows.
 
     Raises:
         InfeasiblePlanError: no assignment fits; names the device and the bytes it lacks.
@@ -229,7 +272,8 @@ def balance_batch(global_batch: int, flops: list[float], mem_capacity: list[floa
 
 def balance_shards(dim_size: int, flops: list[float], mem_capacity: list[float], mem_fixed: list[float],
                    mem_per_unit: float) -> list[int]:
-    """Per-device shard sizes of a split TaskGraph's sharded dimension (paper §3.3, Algorithm 1).
+    """Per-device shard sizes of a split TaskGraph's sharded dimension (paper §3.3): minimizing the slowest
+    device's time ``max_i L_i / flops_i`` exactly within each device's memory (module docs).
 
     Args:
         dim_size: length of the sharded dimension (elements, e.g. output features or classes).
@@ -240,7 +284,8 @@ def balance_shards(dim_size: int, flops: list[float], mem_capacity: list[float],
             and activations).
 
     Returns:
-        Shard sizes, each >= 1, adding up to ``dim_size`` exactly, each device within its memory.
+        Shard sizes, each >= 1, adding up to ``dim_size`` exactly, each device within its memory, the slowest
+        device as fast as any such assignment allows.
 
     Raises:
         InfeasiblePlanError: no assignment fits; names the device and the bytes it lacks.

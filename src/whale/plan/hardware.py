@@ -2,13 +2,15 @@
 plan made for identical devices and a cluster spec, and gives each device work in proportion to what it can do,
 within its memory.
 
-- Device order (inter-TaskGraph): in each replica, devices with more memory take earlier pipeline slots
-  (stage s of S holds up to S - s micro-batches of activations under 1F1B).
+- Device order (inter-TaskGraph): kept when the plan's stages were already placed with the cut
+  (:mod:`whale.plan.placement`); otherwise, in each replica, devices with more memory take earlier pipeline
+  slots (stage s of S holds up to S - s micro-batches of activations under 1F1B).
 - Lane shares (intra-TaskGraph, replicate): a lane runs at the speed of its slowest stage device; shares
-  start proportional to that speed and move off lanes whose memory would overflow (the paper's Algorithm 1,
+  minimize the slowest lane within every lane's memory (exact whole rows,
   :func:`whale.plan.balance.balance_batch`). Stages of different widths balance each stage's own lanes (each
   lane of a stage is one device; the batch bridge re-splits rows between stages).
-- Shard sizes (intra-TaskGraph, split): proportional to the speed of the devices at each shard position.
+- Shard sizes (intra-TaskGraph, split): weights = the speed of the devices at each shard position (whole
+  elements by :func:`whale.plan.balance.whole_shares`).
 - Predicted utilization per rank: its compute time relative to the slowest rank.
 """
 
@@ -51,10 +53,15 @@ def is_heterogeneous(cluster: ClusterSpec) -> bool:
 
 
 def device_order(plan: Plan, cluster: ClusterSpec) -> tuple[int, ...]:
-    """Slot -> rank: within each replica's D consecutive ranks, largest memory first (stable); ``()`` when that
-    is the identity."""
+    """Slot -> rank. A pipeline whose devices were already placed (``plan.device_order`` set by the exact joint
+    placement, :func:`whale.frontend.hwplan.hardware_cut`) keeps them. Otherwise (no profile: every stage counts
+    as equal work, so the order cannot change the slowest stage) within each replica's D consecutive ranks,
+    largest memory first (stable; the paper's order, since earlier 1F1B stages hold more micro-batches);
+    ``()`` when that is the identity."""
     if not plan.is_pipeline:
         return ()
+    if plan.device_order:
+        return plan.device_order
     d = sum(plan.stage_widths)
     mem = [memory_capacity(cluster, r) for r in range(plan.world_size)]
     order: list[int] = []
@@ -104,9 +111,10 @@ def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list
 
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
-    """Relative load per lane (stages of one width): proportional to the lane's bottleneck speed; with a
-    :class:`MemoryModel`, whole rows of one micro-batch (``memory.global_batch / num_micro_batch``),
-    memory-constrained (the paper's Algorithm 1). Whole rows per micro-batch are what the runtime runs
+    """Relative load per lane (stages of one width): the lane's bottleneck speed (the runtime cuts rows by it,
+    :func:`whale.plan.balance.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
+    (``memory.global_batch / num_micro_batch``), memory-constrained (exact min-max shares,
+    :func:`whale.plan.balance.balance_batch`). Whole rows per micro-batch are what the runtime runs
     (:meth:`Plan.micro_batch_rows` cuts each micro-batch by these weights), so the shares the plan shows are the
     rows that run at that batch size.
 

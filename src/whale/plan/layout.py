@@ -135,14 +135,14 @@ class PlanLayout:
         ``stage`` (every stage alike when the widths are uniform).
 
         The global batch is cut into ``num_micro_batch`` equal micro-batches; each micro-batch is cut across
-        the stage's lanes by its lane weights with whole rows that add up exactly (largest remainder,
-        :func:`whale.plan.balance.proportional_shares`), in lane order.
+        the stage's lanes by its lane weights (speeds) with whole rows that add up exactly, at least one per lane,
+        minimizing the slowest lane's ``rows / weight`` (:func:`whale.plan.balance.whole_shares`), in lane order.
 
         Raises:
             PlanError: the batch does not divide into micro-batches, or a micro-batch has fewer rows than
                 some stage has lanes (some lane would get no rows).
         """
-        from whale.plan.balance import proportional_shares  # balance imports PlanError from the plan
+        from whale.plan.balance import whole_shares  # balance imports PlanError from the plan
 
         m = self.num_micro_batch
         lanes = self.max_lanes
@@ -155,7 +155,7 @@ class PlanLayout:
                 f"{m} micro-batches), e.g. {good}")
         mb = global_batch // m
         for s in range(self.num_stages):
-            shares = proportional_shares(mb, list(self.weights_of(s)))
+            shares = whole_shares(mb, list(self.weights_of(s)), 1 if mb >= self.lanes_of(s) else 0)
             if mb < self.lanes_of(s) or min(shares) < 1:
                 where = f" in stage {s}" if not self.uniform_width else ""
                 raise PlanError(

@@ -302,7 +302,7 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
     """``floor`` (what the user set) when it fits; else the allowed combination (:func:`candidates`) with the
     least :func:`step_seconds` whose every rank fits (:func:`plan_memory` within ``capacity`` bytes per rank and
     ``host_capacity``); ties go to fewer techniques. ``place(options)`` returns the plan balanced for those
-    options (lane shares within memory, the Whale paper's Algorithm 1, and hardware-aware ZeRO weights) or
+    options (lane shares within memory, exact min-max shares, and hardware-aware ZeRO weights) or
     raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations.
 
     Raises:

@@ -4,7 +4,8 @@ USENIX ATC 2022, §3.3: pipeline stages cut by device memory and speed).
 Stage s of S takes a contiguous run of layers (at least one). Its time is (sum of its layers' FLOPs) /
 ``stage_flops[s]``; its memory is (sum of its layers' static bytes) + ``in_flight[s]`` x (sum of its layers'
 activation bytes per micro-batch), which must not exceed ``stage_mem_capacity[s]``. Under 1F1B stage s holds up
-to S - s micro-batches, so devices are ordered by memory, largest first. :func:`partition_layers` finds the
+to S - s micro-batches, so the paper orders devices by memory, largest first (choosing the order too, jointly
+with the cut, is :func:`whale.plan.placement.place_stages`). :func:`partition_layers` finds the
 cut that minimizes the slowest stage's time exactly, by a min-max dynamic program over (stage, layer prefix),
 vectorized with numpy: O(S x n^2) time, O(n^2) memory per stage.
 """

@@ -143,7 +143,7 @@ def _lane_rows(plan: Plan) -> list[str]:
 
 def _shard_rows(plan: Plan) -> list[str]:
     """Relative shard weights of each split over several devices (each sharded dim is cut into whole
-    elements by largest remainder of these weights)."""
+    elements by :func:`whale.plan.balance.whole_shares` of these weights)."""
     rows = []
     for tg in plan.task_graphs:
         for what, weights in [(f"TG {tg.index} split", tg.shard_weights)] + [

@@ -7,7 +7,7 @@ stage shards over its own lanes. ZeRO cuts the state evenly; on a cluster that m
 the smallest device run out of memory first. Here each lane's shard follows its device's *free* memory, in the
 spirit of the Whale paper's Algorithm 1 (Jia et al., USENIX ATC 2022, §3.3) applied to memory: shares
 proportional to ``capacity_i - unsharded_i`` (:func:`free_memory_shares`, as
-:func:`whale.plan.balance.proportional_shares` makes batch shares proportional to speed), which minimizes the
+:func:`whale.plan.balance.whole_shares` makes batch shares follow speed), which minimizes the
 largest fraction of any device's free memory the state takes. With little unsharded the shares follow
 capacity: a 32 GB device holds about twice the state of a 16 GB one.
 
@@ -21,8 +21,8 @@ also keeps the activations of its batch share in flight.
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from whale.plan.balance import whole_shares  # noqa: F401  (re-exported: the ZeRO shards' whole elements per lane)
 from whale.plan.plan import Plan
 
 PARAM_BYTES, GRAD_BYTES, OPTIM_BYTES = 4, 4, 8  # per fp32 parameter element (Adam: exp_avg + exp_avg_sq)
@@ -119,26 +119,3 @@ def with_zero_weights(plan: Plan, capacity: list[float], activation: list[list[f
 def zero_shard_weights(plan: Plan, stage: int) -> tuple[float, ...]:
     """Relative ZeRO shard size of each lane of ``stage`` (the plan's ``zero_weights``, or equal)."""
     return plan.zero_weights[stage] if plan.zero_weights else (1.0,) * plan.lanes_of(stage)
-
-
-def whole_shares(total: int, weights: tuple[float, ...] | list[float]) -> list[int]:
-    """Whole elements per lane adding up to ``total``, minimizing ``max_i shares_i / weights_i`` exactly.
-
-    Each lane first gets the floor of its quota ``total * w_i / sum(w)``; each element left goes, one at a time,
-    to the lane whose ``(shares_i + 1) / w_i`` is smallest (ties to the lower index). The result's largest
-    ``shares_i / w_i`` is the ``total``-th smallest of all ``k / w_i`` (k >= 1), a lower bound for any split, so
-    it is optimal (with weights proportional to free memory: the smallest worst fraction of free memory).
-    Lanes of weight 0 get nothing. Deterministic: every rank computes the same cut.
-
-    Raises:
-        ValueError: ``total < 0``, no weights, a negative or non-finite weight, or an all-zero sum.
-    """
-    w = [float(x) for x in weights]
-    if total < 0 or not w or any(not (x >= 0 and math.isfinite(x)) for x in w) or not sum(w) > 0:
-        raise ValueError(f"whole_shares needs total >= 0 and weights >= 0 with a positive sum, got {total}, {w}")
-    s = sum(w)
-    shares = [math.floor(total * x / s) if x > 0 else 0 for x in w]
-    for _ in range(total - sum(shares)):
-        i = min((j for j in range(len(w)) if w[j] > 0), key=lambda j: ((shares[j] + 1) / w[j], j))
-        shares[i] += 1
-    return shares
