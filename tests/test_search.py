@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from whale.cluster import ClusterSpec, NodeSpec, get_device_type
+from whale.frontend.autoplan import describe_module
 from whale.plan.estimate import DefaultEstimator, DevicePool, plan_search, pool_from_cluster
 from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import LayerDesc, ModelDesc, ModelDescError, describe_module, transformer
+from whale.plan.model_desc import LayerDesc, ModelDesc, ModelDescError, transformer
 from whale.plan.search import Constraints, NoFeasiblePlanError, enumerate_candidates, search
 
 
@@ -35,7 +36,8 @@ def _random_instance(rng: random.Random) -> tuple[ModelDesc, DevicePool, int]:
     return ModelDesc(tuple(layers)), pool, rng.choice([4, 8, 12, 16])
 
 
-def _space(model, pool, batch, cons=Constraints()):
+def _space(model, pool, batch, cons=None):
+    cons = cons or Constraints()
     est = DefaultEstimator(model, pool, batch)
     return est, list(enumerate_candidates(len(model.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
                                           [t.memory_bytes for t in pool.types], all_cuts_below=10**6))

@@ -7,7 +7,7 @@ world = K x stages, each stage a ``replicate(1)`` TaskGraph), the micro-batch co
 techniques. Annotations are constraints: annotated stages keep their count and cut (only K, micro-batches,
 schedule and memory options are searched). The search does not add ``split`` to unannotated modules (that
 needs a sharding rule per module), and models that carry ``split`` annotations are refused with a clear error
-for now. Devices are placed in the runtime's order (types by memory, largest first).
+for now. Devices are placed as the runtime places them (:func:`whale.plan.hardware.device_order`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from whale.annotation import Scope, replicate
 from whale.cluster import ClusterSpec, homogeneous_cpu
 from whale.config import Config, ConfigError
 from whale.frontend import hwplan
-from whale.frontend.profile import ModelProfile
+from whale.frontend.profile import ModelProfile, profile_model
 from whale.frontend.taskgraphs import task_graph_scopes
 from whale.plan.estimate import DefaultEstimator, pool_from_cluster
 from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import from_profile
+from whale.plan.model_desc import ModelDesc, from_profile
 from whale.plan.planner import TaskGraphSummary, is_colocated
 from whale.plan.search import Constraints, SearchResult, enumerate_candidates, search
 
@@ -53,6 +53,15 @@ class AutoLayout:
     notes: tuple[str, ...]
 
 
+def describe_module(model: nn.Module, inputs, batch_size: int = 1, loss_fn=None, name: str | None = None) -> ModelDesc:
+    """Profile ``model`` on fake tensors (:func:`whale.frontend.profile.profile_model`; a meta-device model
+    works and nothing is allocated) and describe it (:func:`whale.plan.model_desc.from_profile`). ``inputs``:
+    ``inputs(batch) -> input(s)`` or InputSpecs; ``loss_fn(output, *inputs)``. Raises ProfileError like the
+    profiler."""
+    prof = profile_model(model, inputs, batch_size=batch_size, loss_fn=loss_fn)
+    return from_profile(prof, name or type(model).__name__)
+
+
 def _unit_stage_counts(prof: ModelProfile, model: nn.Module, stage_of: dict[str, int]) -> tuple[int, ...] | None:
     """Units per annotated stage, in order (a unit without annotated tensors joins the stage before it);
     ``None`` when the annotated stages are not contiguous runs of units."""
@@ -74,7 +83,7 @@ def _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config) -
         ConfigError: split annotations, or pipeline stages of different device counts (not searched yet).
     """
     floor = MemoryOptions(bool(config.activation_checkpoint), config.zero, config.offload)
-    base = Constraints(split=1, floor=floor, forbid=tuple(config.forbid), stage_order="memory")
+    base = Constraints(split=1, floor=floor, forbid=tuple(config.forbid), stage_order="runtime")
     if not scopes:
         return base
     if any(s.kind == "split" for s in scopes.values()):
@@ -89,7 +98,7 @@ def _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config) -
                           "give every stage the same count or none")
     p = len(tg_scopes)
     return dataclasses.replace(base, stages=p, stage_layers=_unit_stage_counts(prof, model, stage_of),
-                               data_parallel=world_size // p)
+                               data_parallel=world_size // p, replica_width=tg_scopes[0].device_count or 1)
 
 
 def _stage_of(model: nn.Module, prof: ModelProfile, counts: tuple[int, ...]) -> tuple[dict[str, int], list]:
@@ -129,7 +138,7 @@ def auto_layout(model: nn.Module, world_size: int, config: Config, sample_batch,
     pool = pool_from_cluster(spec, "fp32" if config.precision == "fp32" else "bf16")
     est = DefaultEstimator(desc, pool, batch)
     cands = enumerate_candidates(len(desc.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
-                                 [d.memory_bytes for d in pool.types], all_cuts_below=64)
+                                 [d.memory_bytes for d in pool.types], all_cuts_below=64, rank_types=pool.rank_types)
     result = search(cands, est)
     best = result.best.candidate
     opt = best.options

@@ -37,6 +37,7 @@ import numpy as np
 
 from whale.cluster import ClusterSpec, DeviceType, memory_capacity
 from whale.memory.host import host_memory_capacity
+from whale.plan.balance import proportional_shares
 from whale.plan.cost import compute_time, p2p_time, ring_allgather_time, ring_allreduce_time
 from whale.plan.memory import (
     HOST_MEMORY_BANDWIDTH,
@@ -67,6 +68,7 @@ class DevicePool:
         latency: seconds per message step.
         efficiency: achieved fraction of peak FLOP/s per type (calibrated elsewhere; 1.0 = datasheet peak).
         dtype: ``"fp32"`` or ``"bf16"`` (which peak counts).
+        rank_types: the type index of every rank in rank order (empty: unknown).
     """
 
     types: tuple[DeviceType, ...]
@@ -79,6 +81,7 @@ class DevicePool:
     latency: float = 0.0
     efficiency: tuple[float, ...] = ()
     dtype: str = "fp32"
+    rank_types: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -102,7 +105,7 @@ def pool_from_cluster(spec: ClusterSpec, dtype: str = "fp32", latency: float = 0
                       tuple(host_memory_capacity(spec, first[n]) for n in names),
                       min(len(n.devices) for n in spec.nodes), min(n.bandwidth() for n in spec.nodes),
                       spec.inter_node_bandwidth if len(spec.nodes) > 1 else min(n.bandwidth() for n in spec.nodes),
-                      latency, (), dtype)
+                      latency, (), dtype, tuple(names.index(d.name) for d in devs))
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ class DefaultEstimator:
             "fwd_s": lambda x: x.forward_flops * x.splittable, "fwd_o": lambda x: x.forward_flops * (not x.splittable),
             "tr_s": lambda x: x.flops * x.splittable, "tr_o": lambda x: x.flops * (not x.splittable),
             "p_s": lambda x: x.params * x.splittable, "p_o": lambda x: x.params * (not x.splittable),
-            "a_s": lambda x: x.activation_bytes * x.splittable, "a_o": lambda x: x.activation_bytes * (not x.splittable),
+            "a_s": lambda x: x.activation_bytes * x.splittable,
+            "a_o": lambda x: x.activation_bytes * (not x.splittable),
             "out": lambda x: x.output_bytes, "ar": lambda x: x.output_bytes * (x.kind in ("dense", "attention")),
             "a2a": lambda x: x.output_bytes * x.top_k * (x.kind == "moe")}.items()}
         self._stage = lru_cache(maxsize=None)(self._stage_costs)
@@ -173,9 +177,15 @@ class DefaultEstimator:
         return self._lane_rows(c.stage_devices[s], c.num_micro_batch, c.split)
 
     def _lane_rows_uncached(self, mix: tuple[int, ...], m: int, t: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """Whole rows per lane of one micro-batch, proportional to lane speed (largest remainder,
+        :func:`whale.plan.balance.proportional_shares`); per type the most rows any of its lanes gets."""
         total = sum(n * self.pool.speed(k) for k, n in enumerate(mix))
-        rows = self.batch / m
-        return total, tuple((k, rows * t * self.pool.speed(k) / total) for k, n in enumerate(mix) if n)
+        lanes = [k for k, n in enumerate(mix) for _ in range(n // t)]
+        shares = proportional_shares(max(1, self.batch // m), [self.pool.speed(k) for k in lanes])
+        most: dict[int, int] = {}
+        for k, r in zip(lanes, shares, strict=True):
+            most[k] = max(most.get(k, 0), r)
+        return total, tuple(sorted(most.items()))
 
     def _pipe_costs(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         """Forward and backward seconds per micro-batch per stage, and the p2p seconds per transfer."""
@@ -183,18 +193,19 @@ class DefaultEstimator:
         lat, t = self.pool.latency, c.split
         for s, st in enumerate(self._stages(c)):
             _, lanes = self._lanes(c, s)
-            k, r = max(lanes, key=lambda x: x[1])
+            k, r = max(lanes, key=lambda x: (x[1] / self.pool.speed(x[0]), x[1]))  # the slowest lane
             speed = self.pool.speed(k)
+            r_most = max(x[1] for x in lanes)
             recompute = st.fwd if c.options.activation_checkpoint else 0.0
             split_comm = 0.0
             if t > 1:
                 bw = self._bw(t)
-                split_comm = ring_allreduce_time(r * st.allreduce, t, bw, lat) + \
-                    2 * ring_allgather_time(r * st.alltoall, t, bw, lat)
+                split_comm = ring_allreduce_time(r_most * st.allreduce, t, bw, lat) + \
+                    2 * ring_allgather_time(r_most * st.alltoall, t, bw, lat)
             fwd.append(compute_time(r * st.fwd, speed) + split_comm)
             bwd.append(compute_time(r * (st.train - st.fwd + recompute), speed) + split_comm)
             if s < c.stages - 1:
-                comm = max(comm, p2p_time(r * st.out, self._bw(2 * c.data_parallel * t), lat))
+                comm = max(comm, p2p_time(r_most * st.out, self._bw(2 * c.data_parallel * t), lat))
         return tuple(fwd), tuple(bwd), comm
 
     def _post(self, c: Candidate) -> float:
@@ -302,5 +313,6 @@ def plan_search(model: ModelDesc, pool: DevicePool, global_batch: int, constrain
     est = estimator or DefaultEstimator(model, pool, global_batch)
     base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch)
     cands = enumerate_candidates(len(model.layers), pool.counts, global_batch, constraints or Constraints(),
-                                 base.cuts, base.split_ok, [d.memory_bytes for d in pool.types], all_cuts_below)
+                                 base.cuts, base.split_ok, [d.memory_bytes for d in pool.types], all_cuts_below,
+                                 pool.rank_types)
     return search(cands, est, keep)

@@ -5,9 +5,10 @@ A :class:`ModelDesc` is what the search (:mod:`whale.plan.search`) needs of a mo
 its training FLOPs per sample, parameter elements, activation bytes per sample saved for backward, output bytes
 per sample (what crosses a stage boundary) and its kind. It comes from
 
-- :func:`from_profile`: the fake-tensor profile of a real ``nn.Module`` (:mod:`whale.frontend.profile`), which
-  also works for a model built on the meta device (``with torch.device("meta"): model = GPT(...)``): nothing
-  is allocated, a 50B-parameter model profiles on a laptop;
+- :func:`from_profile`: the fake-tensor profile of a real ``nn.Module`` (:mod:`whale.frontend.profile`;
+  :func:`whale.frontend.autoplan.describe_module` profiles and describes in one call), which also works for a
+  model built on the meta device (``with torch.device("meta"): model = GPT(...)``): nothing is allocated, a
+  50B-parameter model profiles on a laptop;
 - :func:`transformer`: the analytic shapes of a (MoE) transformer, for 1T- and 10T-parameter models whose
   module objects alone would be too many to build.
 
@@ -134,15 +135,6 @@ def from_profile(prof, name: str = "model") -> ModelDesc:
     return ModelDesc(tuple(out), name)
 
 
-def describe_module(model, inputs, batch_size: int = 1, loss_fn=None, name: str | None = None) -> ModelDesc:
-    """Profile ``model`` on fake tensors (:func:`whale.frontend.profile.profile_model`; a meta-device model
-    works and nothing is allocated) and describe it. ``inputs``: ``inputs(batch) -> input(s)`` or InputSpecs."""
-    from whale.frontend.profile import profile_model
-
-    prof = profile_model(model, inputs, batch_size=batch_size, loss_fn=loss_fn)
-    return from_profile(prof, name or type(model).__name__)
-
-
 def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | None = None, experts: int = 0,
                 top_k: int = 1, moe_every: int = 1, name: str = "transformer", act_bytes: int = 2) -> ModelDesc:
     """Analytic description of a decoder transformer (GPT-style; MoE FFNs when ``experts > 0``), per sample
@@ -171,8 +163,9 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
         ffn_p = 2 * d_model * ff
         ffn_act = float((2 * seq * d_model + 2 * seq * ff) * act_bytes)
         if experts and i % moe_every == moe_every - 1:
-            layers.append(LayerDesc(f"h.{i}.moe", float(3 * 2 * seq * ffn_p * top_k), experts * ffn_p + d_model * experts,
-                                    ffn_act * top_k, out_b, "moe", experts, top_k, experts * ffn_p))
+            layers.append(LayerDesc(f"h.{i}.moe", float(3 * 2 * seq * ffn_p * top_k),
+                                    experts * ffn_p + d_model * experts, ffn_act * top_k, out_b, "moe", experts,
+                                    top_k, experts * ffn_p))
         else:
             layers.append(LayerDesc(f"h.{i}.mlp", float(3 * 2 * seq * ffn_p), ffn_p, ffn_act, out_b, "dense"))
     head_f = 3 * 2 * seq * d_model * vocab

@@ -133,8 +133,10 @@ class Constraints:
         data_parallel / split: degrees; ``min_split``: a split scope stays split (>= 2 unless its count is 1).
         num_micro_batch / schedule: fixed values.
         floor: memory techniques the user set (kept); forbid: those the planner must not add.
-        stage_order: ``"all"`` (every order of device types over stages, and evenly mixed stages) or
-            ``"memory"`` (types by memory, largest first: the order the runtime's placement uses).
+        stage_order: ``"all"`` (every order of device types over stages, and evenly mixed stages),
+            ``"memory"`` (types by memory, largest first) or ``"runtime"`` (as the runtime places ranks:
+            replicas of ``replica_width`` devices per stage on consecutive ranks, by memory within each).
+        replica_width: devices per stage in one replica (nested data parallelism), for ``"runtime"``.
         max_micro_batch: largest micro-batch count tried.
     """
 
@@ -148,6 +150,7 @@ class Constraints:
     floor: MemoryOptions = MemoryOptions()
     forbid: tuple[str, ...] = ()
     stage_order: str = "all"
+    replica_width: int = 1
     max_micro_batch: int = 64
 
 
@@ -191,12 +194,31 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // k for k in small]))
 
 
+def _runtime_mix(rank_types: Sequence[int], memory: Sequence[float], p: int,
+                 width: int) -> tuple[tuple[int, ...], ...]:
+    """Device-type counts per stage as the runtime places them (:func:`whale.plan.hardware.device_order`):
+    each replica takes ``p * width`` consecutive ranks, ordered by memory (largest first, stable), and its
+    stage s the ``width`` devices at positions ``s * width ...``."""
+    k, block = max(rank_types) + 1, p * width
+    out = [[0] * k for _ in range(p)]
+    for start in range(0, len(rank_types), block):
+        ranks = sorted(rank_types[start:start + block], key=lambda ty: -memory[ty])
+        for pos, ty in enumerate(ranks):
+            out[pos // width][ty] += 1
+    return tuple(tuple(s) for s in out)
+
+
 def _stage_mixes(counts: Sequence[int], per_stage: int, p: int, order: str, memory: Sequence[float],
-                 t: int) -> list[tuple[tuple[int, ...], ...]]:
+                 t: int, rank_types: Sequence[int] = (), width: int = 1) -> list[tuple[tuple[int, ...], ...]]:
     """Device-type counts per stage: devices sorted by a permutation of the types and cut into ``p`` runs of
-    ``per_stage`` (every permutation for ``order="all"``, the memory order otherwise), plus, for ``"all"``,
-    every stage holding an even share of each type. Each stage's count of every type divides by ``t``."""
+    ``per_stage`` (every permutation for ``order="all"``, the memory order for ``"memory"``), plus, for
+    ``"all"``, every stage holding an even share of each type; ``"runtime"`` with ``rank_types`` (type of every
+    rank) places them as the runtime does (:func:`_runtime_mix`, replicas ``width`` devices per stage). Each
+    stage's count of every type divides by ``t``."""
     k = len(counts)
+    if order == "runtime" and rank_types and len(rank_types) % (p * width) == 0:
+        mix = _runtime_mix(rank_types, memory, p, width)
+        return [mix] if all(c % t == 0 for s in mix for c in s) else []
     perms = list(itertools.permutations(range(k))) if order == "all" else \
         [tuple(sorted(range(k), key=lambda i: -memory[i]))]
     out = []
@@ -217,10 +239,12 @@ def _all_cuts(n: int, p: int) -> Iterator[tuple[int, ...]]:
 
 def enumerate_candidates(num_layers: int, type_counts: Sequence[int], global_batch: int, constraints: Constraints,
                          cut: Callable[[int, tuple], Iterable[tuple[int, ...]]], split_ok: Callable[[int], bool],
-                         type_memory: Sequence[float] = (), all_cuts_below: int = 0) -> Iterator[Candidate]:
+                         type_memory: Sequence[float] = (), all_cuts_below: int = 0,
+                         rank_types: Sequence[int] = ()) -> Iterator[Candidate]:
     """The space (see the module docstring). ``cut(p, stage_devices)`` gives the cuts to try for a layout
     (e.g. the min-max cut by speed); when the number of contiguous cuts is at most ``all_cuts_below``, every
-    cut is tried instead. ``split_ok(t)``: the model's split layers accept degree t."""
+    cut is tried instead. ``split_ok(t)``: the model's split layers accept degree t. ``type_memory``: bytes of
+    each device type; ``rank_types``: the type of every rank, in rank order (for ``stage_order="runtime"``)."""
     c = constraints
     n_dev = sum(type_counts)
     mem = list(type_memory) or [0.0] * len(type_counts)
@@ -239,7 +263,7 @@ def enumerate_candidates(num_layers: int, type_counts: Sequence[int], global_bat
                 continue
             if not split_ok(t):
                 continue
-            for mix in _stage_mixes(type_counts, d * t, p, c.stage_order, mem, t):
+            for mix in _stage_mixes(type_counts, d * t, p, c.stage_order, mem, t, rank_types, c.replica_width):
                 if c.stage_layers:
                     cuts = [tuple(c.stage_layers)]
                 elif math.comb(num_layers - 1, p - 1) <= all_cuts_below:
