@@ -52,6 +52,8 @@ from whale.plan.partition import partition_layers, uniform_partition
 from whale.plan.schedule import in_flight_micro_batches, make_schedule, simulate
 from whale.plan.search import Bound, Candidate, Estimate
 
+DEFAULT_LATENCY = 1e-5
+"""Seconds per message step of a collective or a send when the cluster spec gives none (NCCL-class, ~10 us)."""
 OPTIMIZER_BYTES_PER_ELEMENT = 32.0
 """Device memory traffic of one AdamW update per parameter element, bytes (7 fp32 accesses, rounded up)."""
 
@@ -94,9 +96,10 @@ class DevicePool:
         return self.types[k].flops(self.dtype) * eff
 
 
-def pool_from_cluster(spec: ClusterSpec, dtype: str = "fp32", latency: float = 0.0) -> DevicePool:
+def pool_from_cluster(spec: ClusterSpec, dtype: str = "fp32", latency: float = DEFAULT_LATENCY) -> DevicePool:
     """A :class:`DevicePool` of a cluster spec (capacities as :func:`whale.cluster.memory_capacity` and
-    :func:`whale.memory.host.host_memory_capacity` give them, so emulated scales apply)."""
+    :func:`whale.memory.host.host_memory_capacity` give them, so emulated scales apply); ``latency``: seconds per
+    message step (the spec has no latency field yet)."""
     devs = spec.devices()
     names = list(dict.fromkeys(d.name for d in devs))
     first = {n: next(r for r, d in enumerate(devs) if d.name == n) for n in names}
@@ -137,7 +140,6 @@ class DefaultEstimator:
         slower = all(OPTIMIZER_BYTES_PER_ELEMENT / t.mem_bandwidth <= host_path for t in pool.types)
         self.monotone_options = ("activation_checkpoint",) + (("offload",) if slower else ())
         L = model.layers
-        self._split = np.array([x.splittable for x in L])
         arr = lambda f: np.concatenate([[0.0], np.cumsum([float(f(x)) for x in L])])  # noqa: E731
         self._cum = {k: arr(f) for k, f in {
             "fwd_s": lambda x: x.forward_flops * x.splittable, "fwd_o": lambda x: x.forward_flops * (not x.splittable),
@@ -152,6 +154,11 @@ class DefaultEstimator:
         self._coef = lru_cache(maxsize=None)(self._coeffs)
         self._labels = lru_cache(maxsize=None)(self._labels_uncached)
         self._lane_rows = lru_cache(maxsize=None)(self._lane_rows_uncached)
+        self._coef_cache = lru_cache(maxsize=None)(self._coef_arrays)
+        self._rows_cache = lru_cache(maxsize=None)(self._rows_matrix)
+        self._flight = lru_cache(maxsize=None)(self._flights)
+        self._pipe_cache = lru_cache(maxsize=None)(self._pipe_uncached)
+        self._post_cache = lru_cache(maxsize=None)(self._post_uncached)
 
     def split_ok(self, t: int) -> bool:
         """Every MoE layer's experts divide over t devices (or t divides them); dense layers accept any t."""
@@ -164,10 +171,6 @@ class DefaultEstimator:
         return _Stage(c["fwd_s"] / t + c["fwd_o"], c["tr_s"] / t + c["tr_o"], c["p_s"] / t + c["p_o"],
                       c["a_s"] / t + c["a_o"], ckpt, peak, self.model.layers[b - 1].output_bytes,
                       c["ar"], c["a2a"])
-
-    def _stages(self, c: Candidate) -> list[_Stage]:
-        edges = np.concatenate([[0], np.cumsum(c.stage_layers)]).astype(int)
-        return [self._stage(int(edges[s]), int(edges[s + 1]), c.split) for s in range(c.stages)]
 
     def _bw(self, group: int) -> float:
         return self.pool.intra_bandwidth if group <= self.pool.devices_per_node else self.pool.inter_bandwidth
@@ -189,14 +192,21 @@ class DefaultEstimator:
 
     def _pipe_costs(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         """Forward and backward seconds per micro-batch per stage, and the p2p seconds per transfer."""
+        return self._pipe_cache(c.stage_layers, c.stage_devices, c.split, c.data_parallel, c.num_micro_batch,
+                                c.options.activation_checkpoint)
+
+    def _pipe_uncached(self, layers: tuple, mix: tuple, t: int, d: int, m: int,
+                       ckpt: bool) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         fwd, bwd, comm = [], [], 0.0
-        lat, t = self.pool.latency, c.split
-        for s, st in enumerate(self._stages(c)):
-            _, lanes = self._lanes(c, s)
+        lat = self.pool.latency
+        edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
+        for s in range(len(layers)):
+            st = self._stage(int(edges[s]), int(edges[s + 1]), t)
+            _, lanes = self._lane_rows(mix[s], m, t)
             k, r = max(lanes, key=lambda x: (x[1] / self.pool.speed(x[0]), x[1]))  # the slowest lane
             speed = self.pool.speed(k)
             r_most = max(x[1] for x in lanes)
-            recompute = st.fwd if c.options.activation_checkpoint else 0.0
+            recompute = st.fwd if ckpt else 0.0
             split_comm = 0.0
             if t > 1:
                 bw = self._bw(t)
@@ -204,20 +214,25 @@ class DefaultEstimator:
                     2 * ring_allgather_time(r_most * st.alltoall, t, bw, lat)
             fwd.append(compute_time(r * st.fwd, speed) + split_comm)
             bwd.append(compute_time(r * (st.train - st.fwd + recompute), speed) + split_comm)
-            if s < c.stages - 1:
-                comm = max(comm, p2p_time(r_most * st.out, self._bw(2 * c.data_parallel * t), lat))
+            if s < len(layers) - 1:
+                comm = max(comm, p2p_time(r_most * st.out, self._bw(2 * d * t), lat))
         return tuple(fwd), tuple(bwd), comm
 
     def _post(self, c: Candidate) -> float:
         """Seconds after the pipeline drains: gradient sync, optimizer step, memory techniques; slowest stage."""
-        worst, d, lat = 0.0, c.data_parallel, self.pool.latency
-        bw = self._bw(d * c.split)
-        for s, st in enumerate(self._stages(c)):
-            share = 1.0 / d if c.options.zero else 1.0
+        return self._post_cache(c.stage_layers, c.stage_devices, c.split, c.data_parallel, c.options)
+
+    def _post_uncached(self, layers: tuple, mix: tuple, t: int, d: int, options: MemoryOptions) -> float:
+        worst, lat = 0.0, self.pool.latency
+        bw = self._bw(d * t)
+        edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
+        for s in range(len(layers)):
+            st = self._stage(int(edges[s]), int(edges[s + 1]), t)
+            share = 1.0 / d if options.zero else 1.0
             sync = ring_allreduce_time(4 * st.elements, d, bw, lat) if d > 1 else 0.0
-            mem_bw = min(self.pool.types[k].mem_bandwidth for k, n in enumerate(c.stage_devices[s]) if n)
-            opt = 0.0 if c.options.offload != "none" else OPTIMIZER_BYTES_PER_ELEMENT * share * st.elements / mem_bw
-            worst = max(worst, sync + opt + technique_seconds(st.elements, share, d, c.options, bw))
+            mem_bw = min(self.pool.types[k].mem_bandwidth for k, n in enumerate(mix[s]) if n)
+            opt = 0.0 if options.offload != "none" else OPTIMIZER_BYTES_PER_ELEMENT * share * st.elements / mem_bw
+            worst = max(worst, sync + opt + technique_seconds(st.elements, share, d, options, bw))
         return worst
 
     def _simulate(self, sched: str, p: int, m: int, fwd: tuple, bwd: tuple, comm: float) -> float:
@@ -270,13 +285,41 @@ class DefaultEstimator:
         return Estimate(float("inf"), self._labels(c.stage_devices), tuple(peak), tuple(cap), tuple(host),
                         tuple(hcap))
 
+    def _coef_arrays(self, layers: tuple[int, ...], t: int, d: int, options: MemoryOptions) -> np.ndarray:
+        """[4, stages]: :meth:`_coeffs` of every stage of a cut."""
+        edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
+        return np.array([self._coef(int(edges[s]), int(edges[s + 1]), t, d, options) for s in range(len(layers))]).T
+
+    def _rows_matrix(self, mix: tuple, m: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """[stages, types] rows of the fullest lane of each type (0 where absent), its presence mask, and the
+        types' device and host capacities."""
+        rows = np.zeros((len(mix), len(self.pool.types)))
+        for s, stage in enumerate(mix):
+            for k, r in self._lane_rows(stage, m, t)[1]:
+                rows[s, k] = r
+        present = np.array([[n > 0 for n in stage] for stage in mix])
+        return rows, present, np.array(self.pool.capacity), np.array(self.pool.host_capacity)
+
+    def overflow(self, c: Candidate) -> float:
+        """Bytes by which the fullest device of ``c`` overflows its device or host memory (<= 0: fits); the
+        same numbers as :meth:`memory`, vectorized over stages."""
+        fixed, per_flight, once, host = self._coef_cache(c.stage_layers, c.split, c.data_parallel, c.options)
+        flight = self._flight(c.stages, c.num_micro_batch, c.schedule)
+        rows, present, cap, hcap = self._rows_cache(c.stage_devices, c.num_micro_batch, c.split)
+        dev = fixed[:, None] + np.ceil(rows) * (flight * per_flight + once)[:, None] - cap[None, :]
+        over = np.where(present, np.maximum(dev, host[:, None] - hcap[None, :]), -np.inf)
+        return float(over.max())
+
+    def _flights(self, p: int, m: int, sched: str) -> np.ndarray:
+        return np.array([in_flight_micro_batches(s, p, m, sched) for s in range(p)], dtype=float)
+
     def bound(self, c: Candidate) -> Bound:
-        """Exact memory and a step-time lower bound (no simulation)."""
-        mem = self.memory(c)
-        if not mem.fits:
-            return Bound(float("inf"), mem)
+        """Exact memory overflow and a step-time lower bound (no simulation)."""
+        over = self.overflow(c)
+        if over > 0:
+            return Bound(float("inf"), over)
         fwd, bwd, _ = self._pipe_costs(c)
-        return Bound(c.num_micro_batch * max(f + b for f, b in zip(fwd, bwd, strict=True)) + self._post(c), mem)
+        return Bound(c.num_micro_batch * max(f + b for f, b in zip(fwd, bwd, strict=True)) + self._post(c), over)
 
     def __call__(self, c: Candidate) -> Estimate:
         """Predicted step seconds (event simulation of the schedule + post-step work) and memory."""

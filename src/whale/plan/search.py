@@ -116,11 +116,11 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Bound:
-    """A lower bound on a candidate's step seconds and its exact memory (an :class:`Estimate` whose
-    ``step_seconds`` is the bound)."""
+    """A lower bound on a candidate's step seconds and its exact worst memory overflow in bytes (device or
+    host; <= 0: it fits), both computed without simulating."""
 
     time_lb: float
-    memory: Estimate
+    overflow: float
 
 
 @dataclass(frozen=True)
@@ -295,7 +295,8 @@ def _adds(a: MemoryOptions, b: MemoryOptions, monotone: tuple[str, ...]) -> bool
 def search(cands: Iterable[Candidate], estimate: Callable[[Candidate], Estimate], keep: int = 5) -> SearchResult:
     """The candidate with the least predicted step time that fits, and ``keep - 1`` runner-ups.
 
-    ``estimate`` may carry ``bound(c) -> Bound`` (exact memory, a step-time lower bound) and
+    ``estimate`` may carry ``bound(c) -> Bound`` (exact memory overflow, a step-time lower bound), ``memory(c)
+    -> Estimate`` (memory only, for the report on candidates that do not fit) and
     ``monotone_options`` (the techniques, among ``"activation_checkpoint"``, ``"zero"``, ``"offload"``, whose
     addition never makes its predicted step faster); without them every candidate is estimated.
 
@@ -312,25 +313,30 @@ def search(cands: Iterable[Candidate], estimate: Callable[[Candidate], Estimate]
         key = _structure(c)
         if monotone and any(_adds(o, c.options, monotone) for o in fitting.get(key, ())):
             continue
-        b = bound(c) if bound else Bound(0.0, estimate(c))
-        if not b.memory.fits:
-            infeasible.append((b.memory.overflow, c, b.memory))
+        e = None if bound else estimate(c)
+        b = bound(c) if bound else Bound(0.0, e.overflow)
+        lb, over = b.time_lb, b.overflow
+        if over > 0:
+            infeasible.append((over, c))
             continue
         fitting.setdefault(key, []).append(c.options)
-        pool.append((b.time_lb, c, b.memory))
+        pool.append((lb, c, e))
     if not n:
         raise ValueError("the search space is empty: no data-parallel x pipeline x split degrees use every device "
                          "under the constraints with at least one row per lane and one layer per stage; use a larger "
                          "global batch, fewer devices or looser constraints")
+    infeasible.sort(key=lambda x: (x[0], x[1]))
+    memory = getattr(estimate, "memory", estimate)
+    closest = [(short, c, memory(c)) for short, c in infeasible[:3]]
     if not pool:
-        raise _no_fit(infeasible)
+        raise _no_fit(closest)
     pool.sort(key=lambda x: (x[0], x[1]))
     ranked: list[tuple[float, Candidate, Estimate]] = []  # the best ``keep``, by (seconds, candidate)
     simulated = 0
-    for lb, c, mem in pool:
+    for lb, c, e in pool:
         if len(ranked) >= keep and lb > ranked[-1][0]:
             break
-        e = estimate(c) if bound else mem
+        e = e or estimate(c)
         simulated += 1
         if e.fits:
             bisect.insort(ranked, (e.step_seconds, c, e), key=lambda x: (x[0], x[1]))
@@ -338,15 +344,13 @@ def search(cands: Iterable[Candidate], estimate: Callable[[Candidate], Estimate]
     best_t = ranked[0][0]
     runners = tuple(Ranked(c, e, f"slower by {100 * (s / best_t - 1):.1f}% ({s * 1e3:.4g} ms)")
                     for s, c, e in ranked[1:])
-    infeasible.sort(key=lambda x: (x[0], x[1]))
-    closest = tuple(Ranked(c, e, e.shortfall()[1] + f" (short by {format_bytes(short)})")
-                    for short, c, e in infeasible[:3])
+    near = tuple(Ranked(c, e, e.shortfall()[1] + f" (short by {format_bytes(short)})") for short, c, e in closest)
     stats = {"candidates": n, "fit": len(pool), "simulated": simulated, "seconds": time.perf_counter() - start}
-    return SearchResult(Ranked(ranked[0][1], ranked[0][2]), runners, closest, stats)
+    return SearchResult(Ranked(ranked[0][1], ranked[0][2]), runners, near, stats)
 
 
-def _no_fit(infeasible: list) -> NoFeasiblePlanError:
-    short, c, e = min(infeasible, key=lambda x: (x[0], x[1]))
+def _no_fit(closest: list) -> NoFeasiblePlanError:
+    short, c, e = closest[0]
     what = e.shortfall()[1]
     host = any(h > cap for h, cap in zip(e.host_bytes, e.host_capacity, strict=False))
     fix = ("more host memory per node (or fewer ranks per node)" if host else
