@@ -126,6 +126,15 @@ class _Stage:
     alltoall: float     # bytes per sample through all-to-all per direction (MoE), summed
 
 
+def _stage_memory(st: _Stage) -> StageMemory:
+    """The memory model's view of one device of a stage (ZeRO-3 gathers the whole stage, as the runtime does in
+    a pipeline; checkpointing keeps each layer's input and recomputes the largest layer at once)."""
+    return StageMemory(trainable_elements=int(np.ceil(st.elements)), activation_bytes=st.act,
+                       checkpointed_bytes=st.ckpt_act, backward_bytes=st.act,
+                       checkpointed_backward_bytes=st.ckpt_act + st.peak_layer,
+                       gather_elements=int(np.ceil(st.elements)), recompute_flops=st.fwd, train_flops=st.train)
+
+
 class DefaultEstimator:
     """Estimator for :func:`whale.plan.search.search` (see the module docstring): ``est(c) -> Estimate``, with
     ``bound(c)`` (exact memory and a lower bound on the step: the bottleneck stage's m x (forward + backward)
@@ -242,11 +251,7 @@ class DefaultEstimator:
         """``(fixed, per row in flight, per row once, host)`` bytes of one device of a stage, read off
         :func:`rank_memory` (affine in rows and rows x in-flight micro-batches), so a candidate's memory is a
         few multiply-adds per stage."""
-        st = self._stage(a, b, t)
-        sm = StageMemory(trainable_elements=int(np.ceil(st.elements)), activation_bytes=st.act,
-                         checkpointed_bytes=st.ckpt_act, backward_bytes=st.act,
-                         checkpointed_backward_bytes=st.ckpt_act + st.peak_layer,
-                         gather_elements=int(np.ceil(st.elements)), recompute_flops=st.fwd, train_flops=st.train)
+        sm = _stage_memory(self._stage(a, b, t))
         one = lambda rows, flight: rank_memory(sm, rows, flight, 1.0 / d, options)  # noqa: E731
         base, r11, r12 = one(0, 1), one(1, 1).device_total, one(1, 2).device_total
         per_flight = r12 - r11
@@ -256,11 +261,7 @@ class DefaultEstimator:
         """Device bytes by category (:class:`whale.plan.memory.RankMemory`) of one device of ``stage`` holding
         ``rows`` rows per micro-batch."""
         a = int(sum(c.stage_layers[:stage]))
-        st = self._stage(a, a + c.stage_layers[stage], c.split)
-        sm = StageMemory(trainable_elements=int(np.ceil(st.elements)), activation_bytes=st.act,
-                         checkpointed_bytes=st.ckpt_act, backward_bytes=st.act,
-                         checkpointed_backward_bytes=st.ckpt_act + st.peak_layer,
-                         gather_elements=int(np.ceil(st.elements)))
+        sm = _stage_memory(self._stage(a, a + c.stage_layers[stage], c.split))
         flight = in_flight_micro_batches(stage, c.stages, c.num_micro_batch, c.schedule)
         rm = rank_memory(sm, rows, flight, 1.0 / c.data_parallel, c.options)
         return {**rm.device, "host": rm.host}
