@@ -116,6 +116,12 @@ class Config:
             on the host between steps and are copied to the device for each step's forward and backward (needs
             ``zero=0``). Host bytes are measured apart from device bytes and, under an emulated cluster, bounded
             by each node's ``host_memory_bytes`` shared by its ranks (:mod:`whale.runtime.offload`).
+        auto: let the planner choose the pipeline stage count and cut, the data-parallel degree, micro-batches,
+            schedule and memory techniques (:mod:`whale.plan.search`, :mod:`whale.frontend.autoplan`): the plan
+            with the least predicted step time that fits memory; annotations constrain it (an annotated stage
+            count and cut are kept). ``num_micro_batch``, ``schedule``, ``zero``, ``offload`` and
+            ``activation_checkpoint`` set here are then replaced by the search's choice (the memory settings as a
+            floor). Needs a sample batch; the plan's notes list the runner-ups and why they lost.
         timeout_s: seconds a collective may wait for its peers before it fails (the process group's
             ``timeout``), so a rank that died or raised ends every rank instead of leaving them waiting; ``None``:
             torch's default (10 min on gloo/NCCL). Applies when :func:`whale.init` creates the process group.
@@ -140,6 +146,7 @@ class Config:
     forbid: tuple[str, ...] = ()
     offload: OffloadName = "none"
     timeout_s: float | None = None
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -186,6 +193,8 @@ class Config:
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for torch's "
                               "default collective timeout")
+        if self.auto not in (True, False):
+            raise ConfigError(f"auto={self.auto!r} must be True or False")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

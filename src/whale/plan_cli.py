@@ -49,7 +49,7 @@ def _make_plan(ns: argparse.Namespace):
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
     config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
                        hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload,
-                       zero=ns.zero, forbid=forbid)
+                       zero=ns.zero, forbid=forbid, auto=ns.auto)
     return wh.plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
 
 
@@ -73,6 +73,9 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
                    help="memory techniques the planner must not add (comma list of activation_checkpoint, zero, "
                         "zero3, offload, offload_params; 'all')")
     p.add_argument("--no-hardware-aware", action="store_true")
+    p.add_argument("--auto", action="store_true",
+                   help="search stage count and cut, data-parallel degree, micro-batches, schedule and memory "
+                        "techniques (needs a factory returning a sample batch); prints the runner-ups")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--out", metavar="PLAN.json",
                    help="also write the plan as JSON (train from it: wh.parallelize(..., plan=Plan.from_json(text)))")

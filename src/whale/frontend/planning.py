@@ -96,15 +96,31 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
         cluster = resolve_cluster(config.cluster, world_size)
     if not any(True for _ in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
-    tg_scopes, stage_of, scopes = task_graph_scopes(model)
+    if config.auto:  # search the layout (whale.frontend.autoplan), then plan it like an annotated model
+        from whale.frontend.autoplan import auto_layout
+
+        layout = auto_layout(model, world_size, config, sample_batch, cluster, loss_fn)
+        plan, stages = _plan(model, world_size, layout.config, sample_batch, cluster, loss_fn, layout)
+        return dataclasses.replace(plan, notes=plan.notes + layout.notes), stages
+    return _plan(model, world_size, config, sample_batch, cluster, loss_fn, None)
+
+
+def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> tuple[Plan, tuple[nn.Module, ...]]:
+    """:func:`plan_with_stages` after the cluster is resolved; ``layout`` (an ``AutoLayout``) replaces the
+    annotations' TaskGraphs and cut and the profile when given."""
+    if layout is None:
+        tg_scopes, stage_of, scopes = task_graph_scopes(model)
+    else:
+        tg_scopes, stage_of, scopes = layout.tg_scopes, layout.stage_of, layout.scopes
     kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
     pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
     aware = cluster is not None and config.hardware_aware
-    prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
-    speed_cut = None
-    if pipelined and prof is not None and is_heterogeneous(cluster):
-        layout = make_plan(kinds, world_size, config)
-        speed_cut = hwplan.hardware_cut(model, prof, layout, cluster, config, hwplan.sample_rows(sample_batch))
+    prof = layout.profile if layout is not None else \
+        hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
+    speed_cut = hwplan.UnitCut(layout.stage_of, layout.units) if layout is not None and layout.units else None
+    if layout is None and pipelined and prof is not None and is_heterogeneous(cluster):
+        base = make_plan(kinds, world_size, config)
+        speed_cut = hwplan.hardware_cut(model, prof, base, cluster, config, hwplan.sample_rows(sample_batch))
     plan, stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, speed_cut,
                                  sample_batch)
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
@@ -170,7 +186,8 @@ def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipeli
                      stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)
     plan = dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
     if speed_cut is not None:  # the devices the placement chose for each stage (apply_hardware keeps them)
-        plan = dataclasses.replace(plan, device_order=speed_cut.device_order, notes=plan.notes + (speed_cut.note,))
+        plan = dataclasses.replace(plan, device_order=speed_cut.device_order,
+                                   notes=plan.notes + ((speed_cut.note,) if speed_cut.note else ()))
     return plan, cut.modules
 
 

@@ -231,18 +231,28 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
         shares = lane_shares(plan, s, st.trainable_elements)
         for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
             rows = sum(b - a for a, b in ranges)
-            f = shares[lane] if options.zero else 1.0
             flops = st.train_flops + (st.recompute_flops if options.activation_checkpoint else 0.0)
             t = rows * flops / speeds[plan.rank_of(s, lane)]
-            ring = 4 * st.trainable_elements * (lanes - 1) / lanes / lane_bandwidth if lanes > 1 else 0.0
-            t += {0: 0.0, 1: ring, 2: 0.0, 3: ring}[options.zero]
-            if options.offload != "none":
-                t += 8 * f * st.trainable_elements / PCIE_BANDWIDTH
-                t += 32 * f * st.trainable_elements / HOST_MEMORY_BANDWIDTH
-            if options.offload == "optimizer+params":
-                t += 8 * st.trainable_elements / PCIE_BANDWIDTH
+            t += technique_seconds(st.trainable_elements, shares[lane], lanes, options, lane_bandwidth)
             worst = max(worst, t)
     return worst
+
+
+def technique_seconds(elements: float, share: float, lanes: int, options: MemoryOptions,
+                      lane_bandwidth: float) -> float:
+    """Seconds per step one rank spends on what ``options`` add beyond compute and recomputation (the module
+    docstring's step-time rules): ZeRO-1 and ZeRO-3 one ring pass of the stage's ``4 * elements`` bytes over its
+    ``lanes`` (``lane_bandwidth`` bytes/s), offload ``8 f E`` bytes over PCIe plus ``32 f E`` bytes of host
+    memory traffic (``f = share`` of the sharded state under ZeRO, else 1), and ``8 E`` more over PCIe when the
+    parameters are offloaded too."""
+    ring = 4 * elements * (lanes - 1) / lanes / lane_bandwidth if lanes > 1 else 0.0
+    t = {0: 0.0, 1: ring, 2: 0.0, 3: ring}[options.zero]
+    f = share if options.zero else 1.0
+    if options.offload != "none":
+        t += 8 * f * elements / PCIE_BANDWIDTH + 32 * f * elements / HOST_MEMORY_BANDWIDTH
+    if options.offload == "optimizer+params":
+        t += 8 * elements / PCIE_BANDWIDTH
+    return t
 
 
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:

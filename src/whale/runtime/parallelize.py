@@ -78,6 +78,8 @@ def check_plan_fits(plan: Plan, ctx: Context) -> None:
                                 ("schedule", plan.schedule, cfg.schedule),
                                 ("precision", plan.precision, cfg.precision),
                                 ("offload", plan.offload, cfg.offload)):
+        if cfg.auto and what in ("num_micro_batch", "schedule", "offload"):
+            continue  # chosen by the search (Config(auto=True))
         if planned != here:
             raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {fix}")
     devices = tuple(d.name for d in ctx.cluster.devices()) if ctx.cluster is not None else ()

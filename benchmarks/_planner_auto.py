@@ -1,0 +1,88 @@
+"""The auto plan against every enumerated plan, measured (part of :mod:`benchmarks.planner`). EMULATED.
+
+On 4 emulated ranks (``benchmarks/clusters/v100_p100_4.yaml``: 2 V100-32GB + 2 P100-16GB, each CPU rank slowed
+to its device's relative fp32 speed) a small GPT (``examples/gpt/model.py``) runs every plan a user could
+write by hand with Whale's annotations: 4-way data parallel (1, 2 or 4 micro-batches of gradient accumulation),
+2 pipeline stages x 2 replicas and 4 pipeline stages, each with 1, 2, 4 or 8 micro-batches under 1F1B and
+GPipe, all hardware-aware (Algorithm 1 shares, speed-balanced cuts); and the plan ``Config(auto=True)``
+chooses for the unannotated model. Every engine is built in one launch and measured round by round
+(interleaved, the order reversed every other round, median seconds per step), so they share the host's load.
+
+``auto_vs_best_enumerated`` = best measured step time of the enumerated plans / the auto plan's (goal >= 0.95).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._hetero_common import emulation_setup, interleave, load_spec
+from benchmarks._launch import launch
+
+SPEC = "v100_p100_4.yaml"
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _plans() -> list[tuple[str, int, int, str]]:
+    """(name, pipeline stages, micro-batches, schedule) of every enumerated plan."""
+    out = [(f"dp4 m{m}", 1, m, "1F1B") for m in (1, 2, 4)]
+    for stages in (2, 4):
+        for m in (1, 2, 4, 8):
+            for sched in ("1F1B", "GPipe"):
+                out.append((f"pp{stages}x dp{4 // stages} m{m} {sched}", stages, m, sched))
+    return out
+
+
+def _engines(cfg: dict, spec, batch) -> dict:
+    import whale as wh
+    from examples.gpt.model import GPT, GPTConfig
+
+    gcfg = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4,
+                     n_embd=cfg["embd"])
+    engines = {}
+    for name, stages, m, sched in _plans():
+        ctx = wh.init(wh.Config(cluster=spec, num_micro_batch=m, schedule=sched, seed=0))
+        engines[name] = wh.parallelize(GPT(gcfg, stages=stages), _loss, _opt, ctx=ctx, sample_batch=batch)
+    ctx = wh.init(wh.Config(cluster=spec, seed=0, auto=True))
+    engines["auto"] = wh.parallelize(GPT(gcfg, stages=1), _loss, _opt, ctx=ctx, sample_batch=batch)
+    return engines
+
+
+def worker(rank: int, world: int, cfg: dict) -> dict | None:
+    """Build every engine, measure them round by round; rank 0 returns medians and plans."""
+    emulation_setup(cfg, rank)
+    spec = load_spec(SPEC)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    batch = (x, torch.roll(x, -1, 1))
+    engines = _engines(cfg, spec, batch)
+    times = interleave(engines, batch, cfg["warmup"], cfg["rounds"], cfg["steps"])
+    if rank != 0:
+        return None
+    return {name: {"step_s": statistics.median(t), "times": t, "plan_notes": list(engines[name].plan.notes)}
+            for name, t in times.items()}
+
+
+def run(args) -> dict:
+    """Launch the measurement on 4 ranks and summarise (see the module docstring)."""
+    cfg = {"vocab": 512, "seq": 64, "layers": 4, "embd": 128, "batch": 16, "warmup": 2,
+           "rounds": getattr(args, "auto_rounds", 5), "steps": 2}
+    res = launch(worker, 4, cfg)[0]
+    enumerated = {k: v["step_s"] for k, v in res.items() if k != "auto"}
+    best = min(enumerated, key=enumerated.get)
+    ratio = enumerated[best] / res["auto"]["step_s"]
+    for name, v in sorted(res.items(), key=lambda kv: kv[1]["step_s"]):
+        print(f"{name:>24}: {v['step_s'] * 1e3:8.2f} ms/step", flush=True)
+    print(f"auto_vs_best_enumerated = {ratio:.3f} (best enumerated: {best})", flush=True)
+    return {"auto_vs_best_enumerated": ratio, "best_enumerated": best, "auto_plan": res["auto"]["plan_notes"],
+            "measured_step_seconds": {k: v["step_s"] for k, v in res.items()}, "setup": {**cfg, "spec": SPEC},
+            "emulated": True}
