@@ -97,9 +97,6 @@ class StageMemory:
             with a neighbouring stage, three messages of the boundary's size (a receive posted ahead, the
             message being consumed, a send not yet complete: :mod:`whale.parallel.p2p`; measured in
             ``benchmarks/memory.py``).
-        holds_loss: the last of several pipeline stages: under ZeRO-3 its loss's backward temporaries (the
-            gradient of the logits) peak before the stage is gathered again for its backward, so the rank
-            holds the larger of the two, not both (measured: ``benchmarks/memory.py``).
     """
 
     trainable_elements: int
@@ -115,7 +112,6 @@ class StageMemory:
     train_flops: float = 0.0
     pipelined: bool = False
     p2p_bytes: float = 0.0
-    holds_loss: bool = False
 
 
 @dataclass(frozen=True, order=True)
@@ -171,8 +167,6 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
         optim, host = 0.0, 16 * fe
     act, peak = stage_activation(stage, options)
     temporaries = rows * max(0.0, peak - act)
-    if options.zero == 3 and stage.holds_loss:
-        temporaries = max(0.0, temporaries - 4 * g)
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
               "activations": rows * (act * in_flight + stage.p2p_bytes), "temporaries": temporaries}
     return RankMemory(device, host)
