@@ -46,7 +46,6 @@ class SplitNet(nn.Module):
     def __init__(self, width: int, stages: int, vocab: int = 512, d: int = 64):
         super().__init__()
         import whale as wh
-
         from tests.models import Block
 
         with wh.replicate(width):
@@ -172,7 +171,8 @@ def simulator_part(launch, runs: list[str], warmup: int = 3, steps: int = 8, cor
     errs = sorted(abs(r["rel_error"]) for r in table)
     nominal = sorted(abs(r["nominal_rel_error"]) for r in table)
     return {"sim_median_abs_rel_error": statistics.median(errs), "sim_max_abs_rel_error": max(errs),
-            "sim_nominal_median_abs_rel_error": statistics.median(nominal), "sim_nominal_max_abs_rel_error": max(nominal),
+            "sim_nominal_median_abs_rel_error": statistics.median(nominal),
+            "sim_nominal_max_abs_rel_error": max(nominal),
             "sim_runs": table, "sim_setup": {"model": MODEL, "global_batch": BATCH, "warmup": warmup, "steps": steps,
                                              "emulation_cores": cores, "measure_s": t_measure,
                                              "predict_s": time.time() - t0 - t_measure,

@@ -40,10 +40,8 @@ PCIE_BANDWIDTH = 16e9
 """Default intra-node bandwidth (bytes/s) when not every device of a node has NVLink: PCIe 3.0 x16 (~16 GB/s)."""
 DEFAULT_INTER_NODE_BANDWIDTH = 6.25e9
 """50 Gb/s Ethernet = 6.25e9 bytes/s, the paper's testbed (Whale, ATC'22, §5)."""
-DEFAULT_INTER_NODE_LATENCY = 25e-6
-"""Seconds per message between nodes (TCP over Ethernet, typical one-way latency)."""
-DEFAULT_INTRA_NODE_LATENCY = 5e-6
-"""Seconds per message between two devices of a node (NVLink/PCIe, NCCL's typical small-message latency)."""
+DEFAULT_INTER_NODE_LATENCY, DEFAULT_INTRA_NODE_LATENCY = 25e-6, 5e-6
+"""Seconds per message between nodes (TCP over Ethernet) and inside a node (NVLink/PCIe), typical values."""
 
 _DEVICE_FIELDS = ("fp32_flops", "bf16_flops", "memory_bytes", "mem_bandwidth")
 _NODE_KEYS = ("devices", "intra_node_bandwidth", "host_memory_bytes")
@@ -273,8 +271,7 @@ class ClusterSpec:
 
     def link_latency(self, rank_a: int, rank_b: int) -> float:
         """Seconds per message between two ranks: ``intra_node_latency`` on one node, else ``inter_node_latency``."""
-        same = self.node_of(rank_a) == self.node_of(rank_b)
-        return self.intra_node_latency if same else self.inter_node_latency
+        return self.intra_node_latency if self.node_of(rank_a) == self.node_of(rank_b) else self.inter_node_latency
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ClusterError unless the spec declares exactly ``world_size`` devices."""
@@ -314,19 +311,15 @@ class ClusterSpec:
         """Build from the YAML schema (module docs). Raises ClusterError naming the offending entry."""
         if not isinstance(data, dict):
             raise ClusterError(f"cluster spec must be a mapping with 'nodes', got {type(data).__name__}")
-        allowed = {"emulate", "memory_scale", "inter_node_bandwidth", "inter_node_latency", "intra_node_latency",
-                   "nodes"}
+        allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ClusterError(f"unknown cluster spec key(s) {unknown}; allowed: {sorted(allowed)}")
         nodes = data.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise ClusterError("cluster spec is empty: 'nodes' must be a non-empty list of {devices: [...]}")
-        return cls(nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)),
-                   inter_node_bandwidth=data.get("inter_node_bandwidth", DEFAULT_INTER_NODE_BANDWIDTH),
-                   emulate=data.get("emulate", False), memory_scale=data.get("memory_scale", 1.0),
-                   inter_node_latency=data.get("inter_node_latency", DEFAULT_INTER_NODE_LATENCY),
-                   intra_node_latency=data.get("intra_node_latency", DEFAULT_INTRA_NODE_LATENCY))
+        given = {k: data[k] for k in allowed - {"nodes"} if k in data}  # the rest: the dataclass defaults
+        return cls(nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)), **given)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:

@@ -56,6 +56,7 @@ def _time_call(fn, args: tuple, kwargs: dict, repeats: int) -> tuple[float, floa
     args, kwargs = tree_map(_leaf, (args, kwargs))
 
     def fwd():
+        """One forward with autograd on."""
         with torch.enable_grad():
             return fn(*args, **kwargs)
 
@@ -63,6 +64,7 @@ def _time_call(fn, args: tuple, kwargs: dict, repeats: int) -> tuple[float, floa
     grads = [torch.randn_like(o) for o in outs]
 
     def bwd():
+        """CPU seconds of one backward (after an untimed forward)."""
         again = [o for o in tree_flatten(fwd())[0] if isinstance(o, torch.Tensor) and o.requires_grad]
         t0 = time.thread_time()
         if again:
@@ -93,7 +95,7 @@ def _capture(model: nn.Module, names: list[str], inputs) -> dict[str, tuple[tupl
 
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative fit is clamped and refit through 0)."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
     if b <= 0:
@@ -125,6 +127,7 @@ def _keys(model, names, seen, loss_fn, tracked: bool = False) -> dict[str, str]:
     tail = "|tracked" if tracked else ""
 
     def shapes(args):
+        """Per-sample shapes (batch dim dropped) of the tensors in ``args``."""
         return tuple(tuple(t.shape[1:]) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
 
     out = {}
@@ -141,10 +144,13 @@ def _rows_of(inputs, rows: int, full: int):
 
 
 def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16, repeats: int = 7,
-                    known: dict | None = None, tracked: bool = False) -> tuple[dict[str, UnitTiming], dict[str, str]]:
+                    known: dict | None = None,
+                    tracked: bool = False) -> tuple[dict[str, UnitTiming], dict[str, str]]:
     """Time every unit type of ``model`` not in ``known`` (forward and backward at ``rows // 4``, ``rows // 2``
-    and ``rows`` rows, a least-squares line through them); returns ``(timings by key, key by unit name)``. The model is restored to its mode; its gradients
-    are cleared afterwards."""
+    and ``rows`` rows, a least-squares line through them); returns ``(timings by key, key by unit name)``.
+    With ``tracked`` the units are timed under the CPU memory tracker (:class:`whale.memory.tracker.StorageTracker`,
+    on by default under emulation: it sees every operation) and the keys end in ``|tracked``. The model's
+    gradients are cleared afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (and thread CPU time sees only this thread)
     try:

@@ -291,7 +291,8 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
         if kind == "B":
             last_b[(s, lane)] = (a, e)
     ends, optim, timeline = [0.0] * plan.world_size, [0.0] * plan.world_size, []
-    kinds = {"p2p": max(2 * plan.num_micro_batch * sum(c) for c in zip(*comm)) if comm else 0.0,
+    kinds = {"p2p": 2 * plan.num_micro_batch * max(sum(c[min(j, len(c) - 1)] for c in comm)
+                                                   for j in range(plan.max_lanes)),
              "allreduce": 0.0, "allgather": gathers, "offload": 0.0}
     for s, st in enumerate(stages):
         sync = _grad_sync(plan, s, st, [last_b[(s, j)] for j in range(plan.lanes_of(s))], cluster, calib)
@@ -325,7 +326,8 @@ def _prediction(plan, fwd, bwd, busy, sim, ends_optim, kinds, timeline, memory, 
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return Prediction(
         step=step, schedule=max(max(e) for e in sim["end"]),
-        stage_fwd=tuple(max(mean(f) for f in fs) for fs in fwd), stage_bwd=tuple(max(mean(b) for b in bs) for bs in bwd),
+        stage_fwd=tuple(max(mean(f) for f in fs) for fs in fwd),
+        stage_bwd=tuple(max(mean(b) for b in bs) for bs in bwd),
         rank_busy=tuple(rank_busy), rank_idle=tuple(step - b for b in rank_busy), comm=kinds,
         optimizer=tuple(optim), peak_bytes=peak, timeline=tuple(timeline),
         emulated=bool(cluster is not None and cluster.emulate))
