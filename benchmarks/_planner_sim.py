@@ -121,18 +121,21 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def predict_run(name: str, plan_json: str, cores: float, factors: list[float] | None = None) -> dict:
-    """The prediction for one run's plan (in this process; calibration cached); ``factors``: the ranks' actual
-    emulation stretch (``1 + slowdown``), else the nominal one."""
+def predict_run(name: str, plan_json: str, cores: float, factors: list[float]) -> tuple[dict, dict]:
+    """The predictions for one run's plan (in this process; calibration cached) with the ranks' actual
+    emulation stretch ``factors`` (``1 + slowdown``) and with the nominal one."""
     from whale.cluster import ClusterSpec
-    from whale.frontend.simcost import predict_model
+    from whale.frontend.hwplan import sample_rows
+    from whale.frontend.simcost import model_costs
     from whale.plan.plan import Plan
+    from whale.plan.simulate import predict
 
     world, *_, ckey = RUNS[name]
     model, batch, loss = build(name, world)
     plan = Plan.from_json(plan_json)
-    return predict_model(model, plan, batch, loss, ClusterSpec.from_yaml(CLUSTERS[ckey]), cores=cores,
-                         factors=factors, tracked=False).to_dict()
+    costs, mems, calib = model_costs(model, plan, batch, loss)
+    cluster, rows = ClusterSpec.from_yaml(CLUSTERS[ckey]), sample_rows(batch)
+    return tuple(predict(plan, costs, cluster, calib, rows, mems, cores, f).to_dict() for f in (factors, None))
 
 
 def simulator_part(launch, runs: list[str], warmup: int = 3, steps: int = 8, cores: float = 0.25) -> dict:
@@ -154,8 +157,7 @@ def simulator_part(launch, runs: list[str], warmup: int = 3, steps: int = 8, cor
         actual = [0.0] * len(ranks)
         for r in ranks:
             actual[plan.rank_of(r["stage"], r["lane"])] = 1.0 + r["slowdown"]
-        pred = predict_run(name, measured[name]["plan"], cores, actual)
-        nominal = predict_run(name, measured[name]["plan"], cores)
+        pred, nominal = predict_run(name, measured[name]["plan"], cores, actual)
         meas = ranks[0]["step_s"]
         table.append({"run": name, "world": RUNS[name][0], "model": RUNS[name][1], "stages": RUNS[name][2],
                       "micro_batches": RUNS[name][3], "schedule": RUNS[name][4], "cluster": CLUSTERS[RUNS[name][5]],

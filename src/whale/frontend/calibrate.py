@@ -269,18 +269,20 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
 
 
 def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None, rows: int = 16,
-                comm: bool = True, save: bool = True, tracked: bool = False) -> Calibration:
+                comm: bool = True, save: bool = True, tracked: bool = False,
+                keys: dict[str, str] | None = None) -> Calibration:
     """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
     is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
     communication costs (when ``comm``; spawns two processes once) and the optimizer. Saved back when
-    ``save``. A few seconds the first time, nothing when cached."""
+    ``save``. A few seconds the first time, nothing when cached. ``keys`` (:func:`unit_keys`): when every one
+    is cached already, the model is not run at all."""
     key = cal.machine_key()
-    calib = cal.load(key) or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer())
-    changed = calib.key != key or not cal.load(key)
-    calib = dataclasses.replace(calib, key=key)
+    cached = cal.load(key)
+    calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
     if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
         calib, changed = dataclasses.replace(calib, **measure_comm()), True
-    if model is not None and sample_batch is not None:
+    missing = keys is None or any(k not in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn)
+    if model is not None and sample_batch is not None and missing:
         timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
         if timings:
             calib, changed = calib.with_units(timings), True

@@ -48,6 +48,7 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
     targets = plan.activation_checkpoint or tuple(memplan.repeated_layers(model))
     out = []
     for s, units in enumerate(stage_units(prof, plan, model)):
+        split = tuple(name for name, _ in plan.split_targets(s))
         t = [_timing(u, keys.get(u.name), calib) for u in units]
         real = [u for u in units if u.name != "<rest>"]
         out.append(StageCost(
@@ -57,7 +58,9 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
             boundary_bytes=real[-1].output_bytes if real and s < plan.num_stages - 1 else 0.0,
             trainable_elements=mems[s].trainable_elements,
             recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
-                                  if memplan._inside(u.name, targets))))
+                                  if memplan._inside(u.name, targets)),
+            split_bytes=sum(([u.output_bytes for u in real if memplan._inside(u.name, (t,))] or [0.0])[-1]
+                            for t in split)))  # each split module's output (its last unit's)
     return out
 
 
@@ -74,16 +77,24 @@ def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, clus
         tracked: the run measures memory with the CPU tracker (``Config.track_memory``; default: as the runtime's
             auto, on under an emulated cluster): units are timed under it too.
     """
-    from whale.frontend.calibrate import calibration, unit_keys
     from whale.runtime.emulation import emulation_cores
 
     tracked = bool(cluster is not None and cluster.emulate) if tracked is None else tracked
+    costs, mems, calib = model_costs(model, plan, sample_batch, loss_fn, calib, rows, tracked)
+    return predict(plan, costs, cluster, calib, hwplan.sample_rows(sample_batch), mems,
+                   cores if cores is not None else emulation_cores(), factors)
+
+
+def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
+                rows: int = 16, tracked: bool = False) -> tuple[list[StageCost], list, Calibration]:
+    """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model``: profile once (fake tensors),
+    calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`)."""
+    from whale.frontend.calibrate import calibration, unit_keys
+
     prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn)
-    calib = calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked)
     keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
-    costs = stage_costs(prof, plan, model, keys, calib)
+    calib = calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys)
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)
-    return predict(plan, costs, cluster, calib, hwplan.sample_rows(sample_batch), mems,
-                   cores if cores is not None else emulation_cores(), factors)
+    return stage_costs(prof, plan, model, keys, calib), mems, calib

@@ -10,7 +10,8 @@ The step, as the runtime runs it:
 
 1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule.simulate_lanes`):
    compute = (segment overhead + unit overheads + rows x seconds per row [+ recomputation under activation
-   checkpointing]) x the rank's speed factor; transfers between stages = :func:`whale.plan.cost.p2p_time`;
+   checkpointing]) x the rank's speed factor (a split stage's lanes go at the pace of the slowest lane of their
+   replica: they meet in every split layer); transfers between stages = :func:`whale.plan.cost.p2p_time`;
    ZeRO-3 all-gathers of the stage's parameters before every forward and backward;
 2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB first, then 25 MiB, as
    :mod:`whale.parallel.data`) become ready in turn during each rank's last backward and are reduced one after
@@ -56,6 +57,9 @@ class StageCost:
         boundary_bytes: bytes per sample the stage sends to the next (activations; their gradients come back).
         trainable_elements: parameter elements with gradients (what is all-reduced and updated).
         recompute_per_row: forward seconds per sample of the checkpointable layers (activation checkpointing).
+        split_bytes: output bytes per sample of the stage's split (sharded) modules: each is gathered over the
+            split group in forward and reduce-scattered back in backward (one all-gather and one reduce-scatter
+            per split module and direction, Megatron-style column -> row sharding).
     """
 
     fwd_per_row: float
@@ -67,6 +71,7 @@ class StageCost:
     boundary_bytes: float = 0.0
     trainable_elements: int = 0
     recompute_per_row: float = 0.0
+    split_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,24 @@ def _rows(plan: Plan, global_batch: int) -> list[list[list[int]]]:
             for s in range(plan.num_stages)]
 
 
-def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions):
+def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration) -> None:
+    """Add a split stage's collectives (in place): per micro-batch and direction, one all-gather and one
+    reduce-scatter of the group's rows of ``split_bytes`` over the ``width`` lanes of each replica."""
+    n = plan.width_of(s)
+    if n < 2 or st.split_bytes <= 0:
+        return
+    for lane in range(len(fwd)):
+        first = lane - lane % n
+        bw, lat = _link(cluster, calib, [plan.rank_of(s, j) for j in range(first, first + n)], "allreduce")
+        for mb in range(len(fwd[lane])):
+            size = st.split_bytes * sum(rows[j][mb] for j in range(first, first + n))
+            t = cost.ring_allgather_time(size, n, bw, lat) + cost.ring_reduce_scatter_time(size, n, bw, lat)
+            fwd[lane][mb] += t
+            bwd[lane][mb] += t
+
+
+def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions,
+             cluster=None):
     """``(fwd, bwd)`` seconds ``[stage][lane][micro-batch]``."""
     fwd, bwd = [], []
     for s, st in enumerate(stages):
@@ -155,9 +177,22 @@ def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibrati
             extra = st.recompute_per_row if options.activation_checkpoint else 0.0
             f_s.append([k * (calib.segment_overhead + st.fwd_overhead + r * st.fwd_per_row) for r in mbs])
             b_s.append([k * (calib.segment_overhead + st.bwd_overhead + r * (st.bwd_per_row + extra)) for r in mbs])
+        if any(tg.has_split for tg in plan.stage_task_graphs(s)):
+            f_s, b_s = _lockstep(f_s, plan.width_of(s)), _lockstep(b_s, plan.width_of(s))
+            _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib)
         fwd.append(f_s)
         bwd.append(b_s)
     return fwd, bwd
+
+
+def _lockstep(times: list[list[float]], width: int) -> list[list[float]]:
+    """A split stage's lanes of one replica meet in the split layers' collectives every micro-batch: each runs
+    at the pace of the slowest of its ``width`` lanes."""
+    out = []
+    for lane in range(len(times)):
+        group = times[lane - lane % width: lane - lane % width + width]
+        out.append([max(col) for col in zip(*group, strict=True)])
+    return out
 
 
 def _transfers(plan: Plan, stages: list[StageCost], rows, cluster, calib: Calibration) -> list[list[float]]:
@@ -280,7 +315,7 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
     factor = factors or speed_factors(cluster, calib, plan.world_size, cores, plan.precision)
     if len(factor) != plan.world_size:
         raise ValueError(f"factors has {len(factor)} entries for {plan.world_size} ranks; give one per rank")
-    fwd, bwd = _compute(plan, stages, rows, factor, calib, options_of(plan))
+    fwd, bwd = _compute(plan, stages, rows, factor, calib, options_of(plan), cluster)
     busy = [[sum(f) + sum(b) for f, b in zip(fs, bs, strict=True)] for fs, bs in zip(fwd, bwd, strict=True)]
     gathers = _zero3_gathers(plan, stages, fwd, bwd, cluster, calib)
     comm = _transfers(plan, stages, rows, cluster, calib)
