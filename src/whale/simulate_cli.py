@@ -101,6 +101,9 @@ def run_simulate(ns: argparse.Namespace) -> int:
         print(f"whale simulate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(pred.to_dict(), indent=2) if ns.json else format_prediction(pred, plan))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(plan.to_json(indent=2) + "\n")
     if ns.png:
         plot_timeline(pred, ns.png)
         if not ns.json:
