@@ -1,12 +1,19 @@
-"""Planner benchmark (issue 13): search time at scale, the paper's configurations, and the auto plan against
-every enumerated plan measured on 4 emulated ranks.
+"""Planner benchmark (issue 13): the simulator against measured step times, search time at scale, the paper's
+configurations, and the auto plan against every enumerated plan measured on 4 emulated ranks.
 
-    python benchmarks/planner.py --out benchmarks/results/planner.json     # ~5 min on 2 CPU cores
+    python benchmarks/planner.py --out benchmarks/results/planner.json     # ~10 min on 2 CPU cores
 
-Parts (``--skip scale,auto``), the JSON written after each: ``scale`` (:mod:`benchmarks._planner_scale`:
-``plan_seconds_512_gpus``, ``plan_seconds_1024_mixed``, ``search_time_table``, ``paper_configs``) and ``auto``
-(:mod:`benchmarks._planner_auto`: ``auto_vs_best_enumerated``, EMULATED). The simulator-error part
-(``sim_*`` keys) is added by the simulator's own module.
+Parts (``--skip sim,scale,auto``); the JSON is written after each, and parts skipped keep their earlier keys:
+
+- ``sim`` (:mod:`benchmarks._planner_sim`): >= 10 EMULATED runs (data parallel, pipeline, split, hybrids;
+  V100/P100 mixes; 1-8 micro-batches), each the median step time of the slowest rank vs the prediction of
+  :func:`whale.frontend.simcost.predict_model`: ``sim_median_abs_rel_error`` (goal <= 0.10),
+  ``sim_max_abs_rel_error`` (goal <= 0.20), ``sim_runs`` and a PNG (``<out>_sim.png``). Under emulation compute
+  is stretched to the declared speeds but communication is real gloo on localhost, so the prediction uses this
+  machine's calibrated gloo costs, not the declared links.
+- ``scale`` (:mod:`benchmarks._planner_scale`): ``plan_seconds_512_gpus``, ``plan_seconds_1024_mixed``,
+  ``search_time_table``, ``paper_configs``.
+- ``auto`` (:mod:`benchmarks._planner_auto`): ``auto_vs_best_enumerated`` (EMULATED).
 """
 
 from __future__ import annotations
@@ -17,16 +24,23 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks import _planner_auto, _planner_scale  # noqa: E402
+from benchmarks import _planner_auto, _planner_scale, _planner_sim  # noqa: E402
 
-PARTS = {"scale": _planner_scale.run, "auto": _planner_auto.run}
+PARTS = {"sim": _planner_sim.run, "scale": _planner_scale.run, "auto": _planner_auto.run}
 
 
 def main() -> None:
+    """Run the parts not skipped; write the JSON after each."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/planner.json")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: " + ", ".join(PARTS))
-    ap.add_argument("--auto-rounds", type=int, default=5, help="measured rounds per plan in the auto part")
+    ap.add_argument("--runs", default=",".join(_planner_sim.RUNS), help="sim part: comma list of runs")
+    ap.add_argument("--steps", type=int, default=8, help="sim part: measured steps per run (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cores", type=float, default=0.25,
+                    help="sim part: WHALE_EMULATION_CORES; below the real 2 stretches compute further, so that "
+                         "other processes on a shared machine do not show through the emulated times")
+    ap.add_argument("--auto-rounds", type=int, default=5, help="auto part: measured rounds per plan")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     out: dict = {}

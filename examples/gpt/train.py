@@ -43,6 +43,7 @@ from examples.gpt.data import (  # noqa: E402
     prepare,
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from examples.gpt.predicted import prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
@@ -334,6 +335,7 @@ def run(argv: list[str] | None = None) -> None:
     full = engine.full_state_dict()
     state["optimizer_state_bytes"] = optimizer_state_bytes(engine)
     bubble = bubble_report(engine, args)
+    state["predicted"] = prediction_report(engine, args, bubble, state)  # the planner's step beside the measured
     state["memory"], memory_table = wh.memory_table(engine)  # collective: every rank's measured peaks
     scalars.close(end, bubble)
     if ctx.rank == 0:
@@ -380,6 +382,7 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
         bubble=bubble, config=vars(args), sample=text, memory=state["memory"], zero=engine.plan.zero,
         offload=engine.plan.offload, optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
+        predicted=state.get("predicted"),
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from whale.checkpoint_cli import add_checkpoint
 from whale.plan_cli import add_plan
+from whale.simulate_cli import add_simulate
 
 _LAUNCH_EPILOG = """\
 examples:
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     _add_launch(sub)
     add_plan(sub)
+    add_simulate(sub)
     add_checkpoint(sub)
     return parser
 

@@ -9,6 +9,8 @@ YAML schema (ranks are numbered node by node; numbers may be written ``5e12``)::
     emulate: true                 # optional, default false
     memory_scale: 1.0e-3          # optional, default 1; applies under emulation
     inter_node_bandwidth: 6.25e9  # optional, bytes/s, default 50 Gb/s
+    inter_node_latency: 2.5e-5    # optional, seconds per message between nodes, default 25 us (Ethernet)
+    intra_node_latency: 5.0e-6    # optional, seconds per message inside a node, default 5 us (NVLink/PCIe)
     nodes:
       - devices: [V100-32GB, V100-32GB]             # catalog names
         intra_node_bandwidth: 3.0e11                # optional, bytes/s
@@ -38,6 +40,8 @@ PCIE_BANDWIDTH = 16e9
 """Default intra-node bandwidth (bytes/s) when not every device of a node has NVLink: PCIe 3.0 x16 (~16 GB/s)."""
 DEFAULT_INTER_NODE_BANDWIDTH = 6.25e9
 """50 Gb/s Ethernet = 6.25e9 bytes/s, the paper's testbed (Whale, ATC'22, §5)."""
+DEFAULT_INTER_NODE_LATENCY, DEFAULT_INTRA_NODE_LATENCY = 25e-6, 5e-6
+"""Seconds per message between nodes (TCP over Ethernet) and inside a node (NVLink/PCIe), typical values."""
 
 _DEVICE_FIELDS = ("fp32_flops", "bf16_flops", "memory_bytes", "mem_bandwidth")
 _NODE_KEYS = ("devices", "intra_node_bandwidth", "host_memory_bytes")
@@ -216,15 +220,19 @@ class ClusterSpec:
         inter_node_bandwidth: bytes/s between nodes (default 50 Gb/s Ethernet = 6.25e9 B/s, the paper's testbed).
         emulate: CPU ranks imitate their declared devices (:mod:`whale.runtime.emulation`); every report must say so.
         memory_scale: under emulation, memory capacity = declared memory x this factor (lets tests hit limits).
+        inter_node_latency, intra_node_latency: seconds per message between nodes / inside a node (the cost
+            model's latency term, :mod:`whale.plan.cost`).
 
     Raises:
-        ClusterError: no nodes, a bad bandwidth or memory_scale.
+        ClusterError: no nodes, a bad bandwidth, latency or memory_scale.
     """
 
     nodes: tuple[NodeSpec, ...]
     inter_node_bandwidth: float = DEFAULT_INTER_NODE_BANDWIDTH
     emulate: bool = False
     memory_scale: float = 1.0
+    inter_node_latency: float = DEFAULT_INTER_NODE_LATENCY
+    intra_node_latency: float = DEFAULT_INTRA_NODE_LATENCY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -232,6 +240,8 @@ class ClusterSpec:
             raise ClusterError("cluster spec is empty: give at least one node with at least one device")
         object.__setattr__(self, "inter_node_bandwidth", _number(self.inter_node_bandwidth, "inter_node_bandwidth"))
         object.__setattr__(self, "memory_scale", _number(self.memory_scale, "memory_scale"))
+        for f in ("inter_node_latency", "intra_node_latency"):
+            object.__setattr__(self, f, _number(getattr(self, f), f))
         if not isinstance(self.emulate, bool):
             raise ClusterError(f"emulate must be true or false, got {self.emulate!r}")
 
@@ -258,6 +268,10 @@ class ClusterSpec:
         """Bandwidth (bytes/s) between two ranks: the node's intra-node link, or the inter-node link."""
         na, nb = self.node_of(rank_a), self.node_of(rank_b)
         return self.nodes[na].bandwidth() if na == nb else self.inter_node_bandwidth
+
+    def link_latency(self, rank_a: int, rank_b: int) -> float:
+        """Seconds per message between two ranks: ``intra_node_latency`` on one node, else ``inter_node_latency``."""
+        return self.intra_node_latency if self.node_of(rank_a) == self.node_of(rank_b) else self.inter_node_latency
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ClusterError unless the spec declares exactly ``world_size`` devices."""
@@ -289,23 +303,23 @@ class ClusterSpec:
                     node[f] = getattr(n, f)
             nodes.append(node)
         return {"emulate": self.emulate, "memory_scale": self.memory_scale,
-                "inter_node_bandwidth": self.inter_node_bandwidth, "nodes": nodes}
+                "inter_node_bandwidth": self.inter_node_bandwidth, "inter_node_latency": self.inter_node_latency,
+                "intra_node_latency": self.intra_node_latency, "nodes": nodes}
 
     @classmethod
     def from_dict(cls, data: Any) -> ClusterSpec:
         """Build from the YAML schema (module docs). Raises ClusterError naming the offending entry."""
         if not isinstance(data, dict):
             raise ClusterError(f"cluster spec must be a mapping with 'nodes', got {type(data).__name__}")
-        allowed = {"emulate", "memory_scale", "inter_node_bandwidth", "nodes"}
+        allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ClusterError(f"unknown cluster spec key(s) {unknown}; allowed: {sorted(allowed)}")
         nodes = data.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise ClusterError("cluster spec is empty: 'nodes' must be a non-empty list of {devices: [...]}")
-        return cls(nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)),
-                   inter_node_bandwidth=data.get("inter_node_bandwidth", DEFAULT_INTER_NODE_BANDWIDTH),
-                   emulate=data.get("emulate", False), memory_scale=data.get("memory_scale", 1.0))
+        given = {k: data[k] for k in allowed - {"nodes"} if k in data}  # the rest: the dataclass defaults
+        return cls(nodes=tuple(_parse_node(n, i) for i, n in enumerate(nodes)), **given)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:

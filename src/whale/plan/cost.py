@@ -108,3 +108,38 @@ def utilization(times: list[float]) -> list[float]:
     """Predicted busy fraction of each device when all wait for the slowest: t_i / max t (1.0 if all are 0)."""
     top = max((_check(t, "time") for t in times), default=0.0)
     return [t / top if top > 0 else 1.0 for t in times]
+
+
+def ring_reduce_scatter_time(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for a ring reduce-scatter of ``nbytes`` bytes (the full, unreduced tensor) over ``n`` ranks: the
+    same traffic as an all-gather, (n-1)/n x S per rank in n-1 steps (ZeRO-2/3 gradients). Raises ValueError."""
+    return ring_allgather_time(nbytes, n, bandwidth, latency)
+
+
+def all_to_all_time(nbytes: float, n: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for an all-to-all where each rank holds ``nbytes`` bytes and keeps 1/n of them: it sends
+    (n-1)/n x S bytes as n-1 messages (pairwise exchange; MoE token dispatch). Raises ValueError."""
+    if n < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n}")
+    sent = (n - 1) / n * _check(nbytes, "bytes")
+    return sent / _check(bandwidth, "bandwidth", positive=True) + (n - 1) * _check(latency, "latency")
+
+
+def bucketed_allreduce_finish(ready: list[float], sizes: list[float], n: int, bandwidth: float,
+                              latency: float = 0.0) -> float:
+    """Time the last of several gradient buckets finishes its ring all-reduce when bucket k (``sizes[k]``
+    bytes) becomes ready at ``ready[k]`` seconds and buckets are reduced one after another in order (as
+    :mod:`whale.parallel.data` launches them): ``f_k = max(ready_k, f_{k-1}) + ring_allreduce_time(S_k)``.
+    Returns ``max(ready)`` (or 0.0) when there is nothing to reduce. Raises ValueError on mismatched lists."""
+    if len(ready) != len(sizes):
+        raise ValueError(f"got {len(ready)} ready times for {len(sizes)} buckets; give one per bucket")
+    done = 0.0
+    for t, s in zip(ready, sizes, strict=True):
+        done = max(done, _check(t, "ready time")) + ring_allreduce_time(s, n, bandwidth, latency)
+    return done
+
+
+def offload_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds to move ``nbytes`` bytes between device and host memory over a ``bandwidth`` (bytes/s) link
+    (PCIe for a GPU): the same form as :func:`p2p_time`. Raises ValueError like it."""
+    return p2p_time(nbytes, bandwidth, latency)

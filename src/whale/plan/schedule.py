@@ -150,24 +150,60 @@ def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float
     """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch) and a fixed
     P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy": [..], "idle_share": [..]}``.
 
-    With equal stages and ``comm = 0`` the idle share of every stage is :func:`bubble_fraction`.
+    With equal stages and ``comm = 0`` the idle share of every stage is :func:`bubble_fraction`. One lane of
+    :func:`simulate_lanes`.
     """
-    last = len(schedule) - 1
-    finish: dict[tuple[int, str, int], float] = {}
-    clock = [0.0] * len(schedule)
-    for s, a in _simulate_order(schedule):
-        dep = 0.0
-        if a.kind == "F" and s > 0:
-            dep = finish[(s - 1, "F", a.mb)] + comm
-        if a.kind == "B" and s < last:
-            dep = finish[(s + 1, "B", a.mb)] + comm
-        start = max(clock[s], dep)
-        clock[s] = start + (fwd[s] if a.kind == "F" else bwd[s])
-        finish[(s, a.kind, a.mb)] = clock[s]
-    step = max(clock)
     m = len(schedule[0]) // 2
+    out = simulate_lanes(schedule, [[[f] * m] for f in fwd], [[[b] * m] for b in bwd],
+                         [[comm] for _ in schedule])
+    step = max(c for lanes in out["end"] for c in lanes)
     busy = [m * (fwd[s] + bwd[s]) for s in range(len(schedule))]
     return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy]}
+
+
+def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
+                   comm: list[list[float]], peers: list[list[list[int]]] | None = None) -> dict:
+    """Event simulation of one step's schedule over every (stage, lane) rank.
+
+    Args:
+        schedule: one action list per stage (every lane of a stage runs it).
+        fwd, bwd: ``[stage][lane][micro-batch]`` seconds of each forward / backward.
+        comm: ``[stage][lane]`` seconds of one transfer from that lane across the boundary to stage + 1
+            (activations forward; the same for their gradients backward; ignored on the last stage).
+        peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane).
+
+    A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
+    asynchronous), a backward likewise from stage + 1. Returns ``{"end": [stage][lane] seconds the schedule ends
+    on that rank, "busy": [stage][lane] compute seconds, "events": [(stage, lane, "F"|"B", mb, start, end)]}``.
+
+    Raises:
+        ScheduleError: the schedule deadlocks; ValueError: a cost list of the wrong shape.
+    """
+    lanes = [len(f) for f in fwd]
+    if len(fwd) != len(schedule) or len(bwd) != len(schedule) or [len(b) for b in bwd] != lanes:
+        raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {len(schedule)} stages, got "
+                         f"{lanes} and {[len(b) for b in bwd]} lanes")
+    peers = peers or [[[j] for j in range(n)] for n in lanes]
+    feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [] for lane in range(lanes[s])]
+             for s in range(len(schedule))]
+    finish: dict[tuple[int, int, str, int], float] = {}
+    clock = [[0.0] * n for n in lanes]
+    events = []
+    for s, a in _simulate_order(schedule):
+        for lane in range(lanes[s]):
+            if a.kind == "F":
+                dep = max((finish[(s - 1, j, "F", a.mb)] + comm[s - 1][j] for j in feeds[s][lane]), default=0.0)
+                cost = fwd[s][lane][a.mb]
+            else:
+                dep = max((finish[(s + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
+                    if s < len(schedule) - 1 else 0.0
+                cost = bwd[s][lane][a.mb]
+            start = max(clock[s][lane], dep)
+            clock[s][lane] = start + cost
+            finish[(s, lane, a.kind, a.mb)] = clock[s][lane]
+            events.append((s, lane, a.kind, a.mb, start, clock[s][lane]))
+    busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) for lane in range(n)] for s, n in enumerate(lanes)]
+    return {"end": clock, "busy": busy, "events": events}
 
 
 def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int,

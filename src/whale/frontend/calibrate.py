@@ -1,0 +1,291 @@
+"""Measure the calibration of the step-time model on this machine (:class:`whale.plan.calibration.Calibration`).
+
+- :func:`calibrate_units`: one real forward of the model on a few rows captures every layer unit's inputs (the
+  units of :func:`whale.frontend.profile.default_units`); each unit type not yet cached is then timed alone,
+  forward and backward, at two row counts (CPU time of this thread, median of a few repeats), giving a fixed
+  overhead plus seconds per row and per FLOP. The loss is timed the same way. Seconds, on one thread.
+- :func:`measure_comm`: gloo point-to-point and all-reduce on localhost between two spawned processes
+  (latency and bandwidth from a small and a large message): what communication costs emulated runs here.
+- :func:`measure_optimizer`: AdamW's step per parameter element.
+
+:func:`calibration` returns the cached calibration for this machine, measuring only what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from whale.frontend.hwplan import profile, sample_rows
+from whale.frontend.profile import ModelProfile, default_units
+from whale.plan import calibration as cal
+from whale.plan.calibration import Calibration, UnitTiming
+
+
+def _cpu_seconds(fn, repeats: int) -> float:
+    """Median thread CPU seconds of ``fn()`` over ``repeats`` runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def _cut(x, rows: int, full: int):
+    return x[:rows].detach() if isinstance(x, torch.Tensor) and x.dim() and x.size(0) == full else x
+
+
+def _leaf(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().clone().requires_grad_(True)
+    return x
+
+
+def _time_call(fn, args: tuple, kwargs: dict, repeats: int) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of ``fn(*args, **kwargs)``; backward from random output gradients
+    into the parameters and every floating-point input."""
+    args, kwargs = tree_map(_leaf, (args, kwargs))
+
+    def fwd():
+        """One forward with autograd on."""
+        with torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    outs = [o for o in tree_flatten(fwd())[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = [torch.randn_like(o) for o in outs]
+
+    def bwd():
+        """CPU seconds of one backward (after an untimed forward)."""
+        again = [o for o in tree_flatten(fwd())[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        t0 = time.thread_time()
+        if again:
+            torch.autograd.backward(again, grads)
+        return time.thread_time() - t0
+
+    t_fwd = _cpu_seconds(fwd, repeats)
+    bwd()
+    t_bwd = statistics.median(bwd() for _ in range(repeats))
+    return t_fwd, t_bwd
+
+
+def _capture(model: nn.Module, names: list[str], inputs) -> dict[str, tuple[tuple, dict]]:
+    """Every unit's (args, kwargs) in one real forward of ``model`` on ``inputs`` (no grad)."""
+    seen: dict[str, tuple[tuple, dict]] = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, k, n=n: seen.setdefault(n, (a, k)) and None, with_kwargs=True) for n in names]
+    try:
+        with torch.no_grad():
+            out = model(*inputs) if isinstance(inputs, tuple) else model(**inputs) if isinstance(inputs, dict) \
+                else model(inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    seen["<output>"] = ((out,), {})
+    return seen
+
+
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative fit is clamped and refit through 0)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    if b <= 0:
+        return my, 0.0
+    a = my - b * mx
+    if a < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return a, b
+
+
+def _fit(rows: list[int], times: list[tuple[float, float]], fwd_flops: float, bwd_flops: float) -> UnitTiming:
+    """Overhead + per-row slope through the (forward, backward) timings at ``rows``."""
+    fo, fs = _line(rows, [t[0] for t in times])
+    bo, bs = _line(rows, [t[1] for t in times])
+    return UnitTiming(fs, bs, fo, bo, fs / fwd_flops if fwd_flops > 0 else 0.0,
+                      bs / bwd_flops if bwd_flops > 0 else 0.0)
+
+
+def unit_keys(model: nn.Module, sample_batch, prof: ModelProfile | None = None, loss_fn=None,
+              tracked: bool = False) -> dict[str, str]:
+    """Calibration key (:func:`whale.plan.calibration.unit_key`) of every profiled unit by name, ``"<rest>"``
+    for the loss (``|tracked`` appended with ``tracked``)."""
+    names = [u.name for u in (prof.units if prof else ())] or default_units(model)
+    seen = _capture(model, names, _rows_of(sample_batch[0], 1, sample_rows(sample_batch)))
+    return _keys(model, names, seen, loss_fn, tracked)
+
+
+def _keys(model, names, seen, loss_fn, tracked: bool = False) -> dict[str, str]:
+    tail = "|tracked" if tracked else ""
+
+    def shapes(args):
+        """Per-sample shapes (batch dim dropped) of the tensors in ``args``."""
+        return tuple(tuple(t.shape[1:]) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
+
+    out = {}
+    for n in names:
+        mod = model.get_submodule(n)
+        out[n] = cal.unit_key(type(mod), sum(p.numel() for p in mod.parameters()), shapes(seen.get(n, ((), {})))) + tail
+    loss_type = type(loss_fn) if loss_fn is not None else type(None)
+    out["<rest>"] = cal.unit_key(loss_type, 0, shapes(seen["<output>"])) + tail
+    return out
+
+
+def _rows_of(inputs, rows: int, full: int):
+    return tree_map(lambda x: _cut(x, rows, full), inputs)
+
+
+def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16, repeats: int = 7,
+                    known: dict | None = None,
+                    tracked: bool = False) -> tuple[dict[str, UnitTiming], dict[str, str]]:
+    """Time every unit type of ``model`` not in ``known`` (forward and backward at ``rows // 4``, ``rows // 2``
+    and ``rows`` rows, a least-squares line through them); returns ``(timings by key, key by unit name)``.
+    With ``tracked`` the units are timed under the CPU memory tracker (:class:`whale.memory.tracker.StorageTracker`,
+    on by default under emulation: it sees every operation) and the keys end in ``|tracked``. The model's
+    gradients are cleared afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank runs (and thread CPU time sees only this thread)
+    try:
+        return _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked):
+    import contextlib
+
+    from whale.memory.tracker import StorageTracker
+
+    full = sample_rows(sample_batch)
+    rows = max(2, min(rows, full))
+    prof = profile(model, sample_batch, rows=2, loss_fn=loss_fn)
+    names = [u.name for u in prof.units]
+    seen = _capture(model, names, _rows_of(sample_batch[0], rows, full))
+    keys = _keys(model, names, seen, loss_fn, tracked)
+    target = _cut(sample_batch[1], rows, full)
+    timings: dict[str, UnitTiming] = {}
+    counts = sorted({max(1, rows // 4), max(1, rows // 2), rows})
+    for u in (*prof.units, prof.rest):
+        key = keys[u.name]
+        if key in timings or (known and key in known):
+            continue
+        if u.name == "<rest>":
+            if loss_fn is None:
+                continue
+            fn, args = (lambda out, tgt: loss_fn(out, tgt)), (seen["<output>"][0][0], target)
+            kwargs: dict = {}
+        else:
+            fn, (args, kwargs) = model.get_submodule(u.name), seen[u.name]
+        with StorageTracker() if tracked else contextlib.nullcontext():
+            times = [_time_call(fn, *_rows_of((args, kwargs), r, rows), repeats) for r in counts]
+        timings[key] = _fit(counts, times, u.forward_flops, u.backward_flops)
+    model.zero_grad(set_to_none=True)
+    return timings, keys
+
+
+def measure_optimizer(elements: int = 1 << 20, repeats: int = 5) -> float:
+    """Seconds per parameter element of one AdamW step (fp32, one thread)."""
+    p = nn.Parameter(torch.randn(elements))
+    p.grad = torch.randn(elements)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    return _cpu_seconds(opt.step, repeats) / elements
+
+
+def _comm_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    res = {}
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4))
+        for kind in ("p2p", "allreduce"):
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "allreduce":
+                    dist.all_reduce(buf)
+                elif rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf[:1], 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf[:1], 0)
+                times.append(time.perf_counter() - t0)
+            res[(kind, n)] = statistics.median(times[1:])
+    if rank == 0:
+        out.put(res)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _result(queue, procs, timeout: float = 120.0) -> dict:
+    """The first result on ``queue``; RuntimeError when a process dies first or ``timeout`` seconds pass."""
+    import queue as q
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            res = queue.get(timeout=0.5)
+            break
+        except q.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("gloo calibration process failed (see its error above)") from None
+    else:
+        raise RuntimeError(f"gloo calibration gave no result within {timeout:.0f} s")
+    for p in procs:
+        p.join(timeout=60)
+    return res
+
+
+def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict[str, float]:
+    """gloo on localhost between two spawned processes: ``{"p2p_latency", "p2p_bandwidth", "allreduce_latency",
+    "allreduce_bandwidth"}`` (seconds, bytes/s), from a ``small`` and a ``large`` message (bytes). A 2-rank ring
+    all-reduce sends S bytes in 2 steps, so its latency is half the small message's time."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("WHALE_SCRATCH")) as tmp:
+        init = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_comm_worker, args=(r, init, [small, large], repeats, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        res = _result(queue, procs)
+    p2p_lat = max(1e-6, res[("p2p", small)] / 2)  # a round trip of two tiny messages
+    p2p_bw = (large - small) / max(1e-9, res[("p2p", large)] - res[("p2p", small)])
+    ar_lat = max(1e-6, res[("allreduce", small)] / 2)
+    ar_bw = (large - small) / max(1e-9, res[("allreduce", large)] - res[("allreduce", small)])  # sent 2(n-1)/n S = S
+    return {"p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
+
+
+def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None, rows: int = 16,
+                comm: bool = True, save: bool = True, tracked: bool = False,
+                keys: dict[str, str] | None = None) -> Calibration:
+    """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
+    is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
+    communication costs (when ``comm``; spawns two processes once) and the optimizer. Saved back when
+    ``save``. A few seconds the first time, nothing when cached. ``keys`` (:func:`unit_keys`): when every one
+    is cached already, the model is not run at all."""
+    key = cal.machine_key()
+    cached = cal.load(key)
+    calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
+    if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
+        calib, changed = dataclasses.replace(calib, **measure_comm()), True
+    missing = keys is None or any(k not in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn)
+    if model is not None and sample_batch is not None and missing:
+        timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
+        if timings:
+            calib, changed = calib.with_units(timings), True
+    if save and changed:
+        cal.save(calib)
+    return calib

@@ -1,0 +1,100 @@
+"""A model's stage costs for the step-time model: profile + calibration -> :class:`whale.plan.simulate.StageCost`.
+
+:func:`stage_costs` sums, per pipeline stage, the calibrated forward/backward seconds of the layer units the
+stage holds (units by the stage holding their parameters, the loss on the last stage), the bytes it sends to
+the next stage (its last unit's output) and its trainable elements. :func:`predict_model` does the rest:
+profile, calibrate what is missing (cached), predict.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from whale.cluster import ClusterSpec
+from whale.frontend import hwplan, memplan
+from whale.frontend.profile import ModelProfile, UnitProfile
+from whale.plan.calibration import Calibration, UnitTiming
+from whale.plan.plan import Plan
+from whale.plan.simulate import Prediction, StageCost, predict
+
+
+def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
+    """The unit's calibrated timing; a unit type never measured costs its FLOPs at the best measured speed."""
+    if key in calib.units:
+        return calib.units[key]
+    spf = calib.best_seconds_per_flop() or 1e-10
+    return UnitTiming(u.forward_flops * spf, u.backward_flops * spf)
+
+
+def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[UnitProfile]]:
+    """Per stage, the profiled units it runs (the ``rest``, i.e. the loss, on the last stage)."""
+    params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
+        hwplan.stage_param_names((), model)
+    out: list[list[UnitProfile]] = [[] for _ in range(plan.num_stages)]
+    where = hwplan._unit_stages(prof, params) if plan.is_pipeline else [0] * len(prof.units)
+    for u, s in zip(prof.units, where, strict=True):
+        out[s].append(u)
+    out[-1].append(prof.rest)
+    return out
+
+
+def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str, str],
+                calib: Calibration) -> list[StageCost]:
+    """One :class:`StageCost` per stage of ``plan`` from the profile and the calibration (``keys``: the
+    calibration key of each unit, :func:`whale.frontend.calibrate.unit_keys`)."""
+    params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
+        hwplan.stage_param_names((), model)
+    mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)
+    targets = plan.activation_checkpoint or tuple(memplan.repeated_layers(model))
+    out = []
+    for s, units in enumerate(stage_units(prof, plan, model)):
+        split = tuple(name for name, _ in plan.split_targets(s))
+        t = [_timing(u, keys.get(u.name), calib) for u in units]
+        real = [u for u in units if u.name != "<rest>"]
+        out.append(StageCost(
+            fwd_per_row=sum(x.fwd_per_row for x in t), bwd_per_row=sum(x.bwd_per_row for x in t),
+            fwd_overhead=sum(x.fwd_overhead for x in t), bwd_overhead=sum(x.bwd_overhead for x in t),
+            fwd_flops=sum(u.forward_flops for u in units), bwd_flops=sum(u.backward_flops for u in units),
+            boundary_bytes=real[-1].output_bytes if real and s < plan.num_stages - 1 else 0.0,
+            trainable_elements=mems[s].trainable_elements,
+            recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
+                                  if memplan._inside(u.name, targets)),
+            split_bytes=sum(([u.output_bytes for u in real if memplan._inside(u.name, (t,))] or [0.0])[-1]
+                            for t in split)))  # each split module's output (its last unit's)
+    return out
+
+
+def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, cluster: ClusterSpec | None = None,
+                  calib: Calibration | None = None, rows: int = 16, cores: float | None = None,
+                  factors: list[float] | None = None, tracked: bool | None = None) -> Prediction:
+    """Predict ``plan``'s step for ``model`` at the sample batch's size: profile (fake tensors), calibrate the
+    unit types not cached yet (:func:`whale.frontend.calibrate.calibration`; a few seconds once per machine and
+    model shape), simulate (:func:`whale.plan.simulate.predict`) with per-rank memory.
+
+    Args:
+        cores: CPU cores emulated ranks share (default: :func:`whale.runtime.emulation.emulation_cores`).
+        factors: per-rank speed factors overriding the cluster's (see :func:`whale.plan.simulate.predict`).
+        tracked: the run measures memory with the CPU tracker (``Config.track_memory``; default: as the runtime's
+            auto, on under an emulated cluster): units are timed under it too.
+    """
+    from whale.runtime.emulation import emulation_cores
+
+    tracked = bool(cluster is not None and cluster.emulate) if tracked is None else tracked
+    costs, mems, calib = model_costs(model, plan, sample_batch, loss_fn, calib, rows, tracked)
+    return predict(plan, costs, cluster, calib, hwplan.sample_rows(sample_batch), mems,
+                   cores if cores is not None else emulation_cores(), factors)
+
+
+def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
+                rows: int = 16, tracked: bool = False) -> tuple[list[StageCost], list, Calibration]:
+    """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model``: profile once (fake tensors),
+    calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`)."""
+    from whale.frontend.calibrate import calibration, unit_keys
+
+    prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn)
+    keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
+    calib = calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys)
+    params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
+        hwplan.stage_param_names((), model)
+    mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)
+    return stage_costs(prof, plan, model, keys, calib), mems, calib

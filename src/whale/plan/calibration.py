@@ -1,0 +1,144 @@
+"""Calibration data for the step-time model (:mod:`whale.plan.simulate`): measured, cached, pure to read.
+
+FLOPs are not time: a large matmul (a GPT's LM head) runs at a higher fraction of peak than attention blocks or
+small layers, and layers with no counted FLOPs (norms, embeddings, the loss) still take time. A
+:class:`Calibration` holds, per layer unit *type* (class and shape signature, :func:`unit_key`), seconds per
+FLOP and a fixed seconds-per-call overhead for forward and backward, measured on this machine
+(:func:`whale.frontend.calibrate.calibrate_units`), plus the local communication costs of gloo on localhost
+(what emulated runs really pay, :func:`whale.frontend.calibrate.measure_comm`) and the optimizer's seconds per
+parameter element.
+
+The cache is one JSON file (default ``~/.cache/whale/calibration.json``, or ``WHALE_CALIBRATION``) keyed by
+:func:`machine_key` (host CPU, torch version, dtype), so a calibration is never reused on another machine or
+torch. Nothing here measures; this module only holds, reads and writes the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class UnitTiming:
+    """Measured cost of one layer-unit type on the calibration machine (one CPU thread).
+
+    Time of one call on ``rows`` samples = ``overhead + rows * per_row`` seconds, for forward (``fwd_*``) and
+    backward (``bwd_*``). ``*_per_flop`` = per_row / FLOPs per sample (0 when the unit has no counted FLOPs):
+    the type's seconds per FLOP, the "efficiency" of :func:`whale.plan.cost.compute_time` as measured.
+    """
+
+    fwd_per_row: float
+    bwd_per_row: float
+    fwd_overhead: float = 0.0
+    bwd_overhead: float = 0.0
+    fwd_per_flop: float = 0.0
+    bwd_per_flop: float = 0.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything the step-time model takes from measurement. Units: seconds, bytes/s.
+
+    Attributes:
+        key: :func:`machine_key` of the machine measured.
+        units: :class:`UnitTiming` by :func:`unit_key`.
+        p2p_latency, p2p_bandwidth: gloo point-to-point on localhost (one message: latency + bytes/bandwidth).
+        allreduce_latency, allreduce_bandwidth: gloo all-reduce on localhost, per ring step and per byte sent
+            (fed to :func:`whale.plan.cost.ring_allreduce_time`).
+        optimizer_seconds_per_element: the optimizer step (AdamW, fp32) per parameter element on one thread.
+        segment_overhead: seconds the runtime adds to each forward or backward segment beyond the units.
+        step_overhead: seconds per step outside segments, communication and optimizer (bookkeeping).
+        gpu_efficiency: achieved fraction of a real accelerator's peak assumed for the most efficient unit type
+            (real clusters only; not measurable here).
+    """
+
+    key: str = ""
+    units: dict[str, UnitTiming] = field(default_factory=dict)
+    p2p_latency: float = 1e-4
+    p2p_bandwidth: float = 1e9
+    allreduce_latency: float = 1e-4
+    allreduce_bandwidth: float = 1e9
+    optimizer_seconds_per_element: float = 5e-9
+    segment_overhead: float = 2e-4
+    step_overhead: float = 1e-3
+    gpu_efficiency: float = 0.5
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready dict (:meth:`from_dict` inverts it)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        """Inverse of :meth:`to_dict`. Raises ValueError naming an unknown field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(data) - known)
+        if bad:
+            raise ValueError(f"unknown calibration field(s) {bad}; known: {sorted(known)}")
+        units = {k: UnitTiming(**v) for k, v in data.get("units", {}).items()}
+        return cls(**{**data, "units": units})
+
+    def with_units(self, units: dict[str, UnitTiming]) -> Calibration:
+        """A copy with ``units`` added (replacing entries of the same key)."""
+        return dataclasses.replace(self, units={**self.units, **units})
+
+    def best_seconds_per_flop(self) -> float:
+        """The smallest measured seconds per FLOP over unit types (the calibration machine's best achieved
+        speed, 1 / FLOP/s); 0.0 when no unit has FLOPs."""
+        rates = [r for u in self.units.values() for r in (u.fwd_per_flop, u.bwd_per_flop) if r > 0]
+        return min(rates, default=0.0)
+
+
+def machine_key(dtype: str = "fp32") -> str:
+    """``"<cpu model>|<cores>|torch <version>|<dtype>"``: what a calibration is valid for."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|{dtype}"
+
+
+def unit_key(module_type: type, param_elements: int, input_shapes: tuple) -> str:
+    """The calibration key of a layer unit: class path, parameter elements and the per-sample input shapes
+    (batch dim dropped), e.g. ``"examples.gpt.model.Block|198272|(128, 128)"``: units of one type and shape
+    (a transformer's blocks) share one entry."""
+    return f"{module_type.__module__}.{module_type.__qualname__}|{param_elements}|{input_shapes}"
+
+
+def cache_path() -> Path:
+    """The calibration cache file: ``$WHALE_CALIBRATION`` or ``~/.cache/whale/calibration.json``."""
+    env = os.environ.get("WHALE_CALIBRATION", "").strip()
+    return Path(env) if env else Path.home() / ".cache" / "whale" / "calibration.json"
+
+
+def load(key: str, path: Path | None = None) -> Calibration | None:
+    """The cached calibration for ``key`` (:func:`machine_key`), or ``None`` when there is none (or the file is
+    unreadable: a cache is never an error)."""
+    try:
+        data = json.loads((path or cache_path()).read_text())
+        return Calibration.from_dict(data[key]) if key in data else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save(calib: Calibration, path: Path | None = None) -> Path:
+    """Write ``calib`` into the cache under its key (other machines' entries are kept); returns the path."""
+    path = path or cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[calib.key] = calib.to_dict()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
