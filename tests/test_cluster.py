@@ -13,13 +13,13 @@ from whale.cluster import (
     ClusterSpec,
     DeviceType,
     NodeSpec,
-    detect_cluster,
     emulation_delays,
     from_device_types,
     get_device_type,
     homogeneous_cpu,
     memory_capacity,
 )
+from whale.detect import detect_cluster
 from whale.plan import cost, schedule
 
 MIXED_YAML = """
@@ -143,7 +143,7 @@ def test_detect_local_device_maps_cuda_names_to_the_catalog(monkeypatch, name, m
 
     import torch
 
-    from whale.cluster import detect_local_device
+    from whale.detect import detect_local_device
 
     props = types.SimpleNamespace(name=name, total_memory=memory, multi_processor_count=80, major=8, minor=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
@@ -155,7 +155,7 @@ def test_detect_local_device_estimates_an_unknown_gpu(monkeypatch):
 
     import torch
 
-    from whale.cluster import detect_local_device
+    from whale.detect import detect_local_device
 
     props = types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", total_memory=25e9, multi_processor_count=128,
                                   major=8, minor=9)

@@ -162,8 +162,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,spec,offload", CASES, ids=["dp2", "dp2-params", "dp2-zero2-uneven", "pp2xdp2-zero1", "dp2-zero3-uneven",
-                                                          "pp2xdp2-zero3"])
+IDS = ["dp2", "dp2-params", "dp2-zero2-uneven", "pp2xdp2-zero1", "dp2-zero3-uneven", "pp2xdp2-zero3"]
+
+
+@pytest.mark.parametrize("world,spec,offload", CASES, ids=IDS)
 def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world, spec, offload):
     results = run_ranks(_equivalence, world, spec, offload, timeout=180)
     for r in results:

@@ -17,8 +17,9 @@ import os
 import torch
 from torch import nn
 
-from whale.cluster import ClusterSpec, detect_cluster, memory_capacity
+from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
+from whale.detect import detect_cluster
 from whale.frontend import hwplan, memplan
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError

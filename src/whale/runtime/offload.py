@@ -6,8 +6,8 @@ What lives where (``Config(offload=...)``, recorded in ``Plan.offload``):
 
 - ``"optimizer"``: for every tensor the rank's optimizer updates (whole parameters, split shards, or under
   ZeRO-1/2/3 only this lane's slices, :mod:`whale.parallel.zero`, :mod:`whale.parallel.zero3`), the host holds
-  an fp32 master copy, a gradient buffer and the optimizer state. The device keeps its parameters and gradients for forward and backward; it
-  holds no optimizer state.
+  an fp32 master copy, a gradient buffer and the optimizer state. The device keeps its parameters and gradients
+  for forward and backward; it holds no optimizer state.
 - ``"optimizer+params"``: as ``"optimizer"``, and every parameter of the stage stays on the host between steps
   (the host master *is* the parameter); :func:`params_on_device` copies them to the device for a step's (or an
   evaluation's) forward and backward and drops the device copies afterwards. Whole stage at a time: the device
