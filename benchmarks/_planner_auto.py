@@ -5,8 +5,10 @@ to its device's relative fp32 speed) a small GPT (``examples/gpt/model.py``) run
 write by hand with Whale's annotations: 4-way data parallel (1, 2 or 4 micro-batches of gradient accumulation),
 2 pipeline stages x 2 replicas and 4 pipeline stages, each with 1, 2, 4 or 8 micro-batches under 1F1B and
 GPipe, all hardware-aware (Algorithm 1 shares, speed-balanced cuts); and the plan ``Config(auto=True)``
-chooses for the unannotated model. Every engine is built in one launch and measured round by round
-(interleaved, the order reversed every other round, median seconds per step), so they share the host's load.
+chooses for the unannotated model, ranked by the calibrated estimator
+(:class:`whale.plan.calibrated.CalibratedEstimator`: this machine's unit types are calibrated first, cached).
+Every engine is built in one launch and measured round by round (interleaved, the order reversed every other
+round, median seconds per step), so they share the host's load.
 
 ``auto_vs_best_enumerated`` = best measured step time of the enumerated plans / the auto plan's (goal >= 0.95).
 """
@@ -72,10 +74,24 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
             for name, t in times.items()}
 
 
+def _calibrate(cfg: dict) -> None:
+    """Calibrate this machine for the GPT's unit types (timed under the memory tracker, as emulated runs are),
+    once, into the cache every rank's ``Config(auto=True)`` reads (:func:`whale.frontend.autoplan.estimator`);
+    a few seconds the first time, nothing when cached."""
+    from examples.gpt.model import GPT, GPTConfig
+    from whale.frontend.calibrate import calibration
+
+    gcfg = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4,
+                     n_embd=cfg["embd"])
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(0))
+    calibration(GPT(gcfg, stages=1), (x, torch.roll(x, -1, 1)), _loss, tracked=True)
+
+
 def run(args) -> dict:
     """Launch the measurement on 4 ranks and summarise (see the module docstring)."""
     cfg = {"vocab": 512, "seq": 64, "layers": 4, "embd": 128, "batch": 16, "warmup": 2,
            "rounds": getattr(args, "auto_rounds", 5), "steps": 2}
+    _calibrate(cfg)
     res = launch(worker, 4, cfg)[0]
     enumerated = {k: v["step_s"] for k, v in res.items() if k != "auto"}
     best = min(enumerated, key=enumerated.get)

@@ -23,7 +23,7 @@ from whale.config import Config, ConfigError
 from whale.frontend import hwplan
 from whale.frontend.profile import ModelProfile, profile_model
 from whale.frontend.taskgraphs import task_graph_scopes
-from whale.plan.estimate import DefaultEstimator, pool_from_cluster
+from whale.plan.estimate import DefaultEstimator, DevicePool, pool_from_cluster
 from whale.plan.memory import MemoryOptions
 from whale.plan.model_desc import ModelDesc, from_profile
 from whale.plan.planner import TaskGraphSummary, is_colocated
@@ -117,6 +117,39 @@ def _stage_of(model: nn.Module, prof: ModelProfile, counts: tuple[int, ...]) -> 
     return stage_of, names
 
 
+def estimator(model: nn.Module, prof: ModelProfile, desc: ModelDesc, pool: DevicePool, batch: int,
+              spec: ClusterSpec, config: Config, sample_batch, loss_fn=None) -> tuple[DefaultEstimator, str]:
+    """The search's estimator and a note naming it: :class:`whale.plan.calibrated.CalibratedEstimator` when
+    this machine's cached calibration (:func:`whale.plan.calibration.load`) holds every profiled unit of
+    ``model`` (timed as the run will be: under the memory tracker when it tracks), else the datasheet
+    :class:`DefaultEstimator`. Nothing is measured here: every rank reads the same cache, so all choose the
+    same plan (a calibration is made by ``whale simulate`` or :func:`whale.frontend.calibrate.calibration`)."""
+    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.simcost import covers, layer_timings
+    from whale.plan import calibration as cal
+    from whale.plan.calibrated import CalibratedEstimator, type_factors
+    from whale.plan.simulate import speed_factors
+    from whale.runtime.emulation import emulation_cores
+
+    default = DefaultEstimator(desc, pool, batch)
+    calib = cal.load(cal.machine_key())
+    if calib is None:
+        return default, ("cost model: datasheet FLOP/s (no calibration cached for this machine; `whale simulate` "
+                         "makes one)")
+    tracked = spec.emulate if config.track_memory is None else bool(config.track_memory)
+    try:
+        keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:  # e.g. a meta-device model
+        return default, f"cost model: datasheet FLOP/s (the model cannot run one row for the calibration keys: {e})"
+    if not covers(calib, keys, loss_fn):
+        return default, "cost model: datasheet FLOP/s (this model's unit types are not calibrated yet)"
+    dtype = "fp32" if config.precision == "fp32" else "bf16"
+    factors = type_factors(pool, speed_factors(spec, calib, pool.size, emulation_cores(), dtype))
+    est = CalibratedEstimator(desc, pool, batch, layer_timings(prof, keys, calib), calib, factors, spec.emulate)
+    return est, "cost model: calibrated (measured unit seconds, " + ("emulated" if spec.emulate else "real") + \
+        f" speed factors {[round(f, 3) for f in factors]})"
+
+
 def auto_layout(model: nn.Module, world_size: int, config: Config, sample_batch, cluster: ClusterSpec | None,
                 loss_fn=None) -> AutoLayout:
     """Profile ``model`` on ``sample_batch`` (fake tensors), search, and return the layout to plan.
@@ -136,7 +169,7 @@ def auto_layout(model: nn.Module, world_size: int, config: Config, sample_batch,
     tg_scopes, stage_of, scopes = task_graph_scopes(model)
     cons = _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config)
     pool = pool_from_cluster(spec, "fp32" if config.precision == "fp32" else "bf16")
-    est = DefaultEstimator(desc, pool, batch)
+    est, how = estimator(model, prof, desc, pool, batch, spec, config, sample_batch, loss_fn)
     cands = enumerate_candidates(len(desc.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
                                  [d.memory_bytes for d in pool.types], all_cuts_below=64, rank_types=pool.rank_types)
     result = search(cands, est)
@@ -145,7 +178,7 @@ def auto_layout(model: nn.Module, world_size: int, config: Config, sample_batch,
     new = config.replace(num_micro_batch=best.num_micro_batch, schedule=best.schedule, zero=opt.zero,
                          offload=opt.offload,
                          activation_checkpoint="all" if opt.activation_checkpoint else config.activation_checkpoint)
-    notes = tuple(result.describe([t.name for t in pool.types]))
+    notes = tuple(result.describe([t.name for t in pool.types])) + (how,)
     if cons.stages is not None or best.stages == 1:  # the annotations' TaskGraphs as they are
         return AutoLayout(new, tg_scopes, stage_of, scopes, None, prof, result, notes)
     cut_of, units = _stage_of(model, prof, best.stage_layers)

@@ -26,6 +26,23 @@ def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
     return UnitTiming(u.forward_flops * spf, u.backward_flops * spf)
 
 
+def layer_timings(prof: ModelProfile, keys: dict[str, str], calib: Calibration) -> list[UnitTiming]:
+    """Per profiled unit, in forward order, its calibrated timing (:func:`_timing`), the work outside every
+    unit (``"<rest>"``: the loss) added to the last, as :func:`whale.plan.model_desc.from_profile` folds it:
+    the layer timings of :class:`whale.plan.calibrated.CalibratedEstimator`. Seconds on the calibration
+    machine."""
+    out = [_timing(u, keys.get(u.name), calib) for u in prof.units]
+    rest = _timing(prof.rest, keys.get("<rest>"), calib)
+    fields = ("fwd_per_row", "bwd_per_row", "fwd_overhead", "bwd_overhead")
+    out[-1] = UnitTiming(**{f: getattr(out[-1], f) + getattr(rest, f) for f in fields})
+    return out
+
+
+def covers(calib: Calibration, keys: dict[str, str], loss_fn=None) -> bool:
+    """True when ``calib`` holds every unit of ``keys`` (the loss's only when there is a ``loss_fn``)."""
+    return all(k in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn is not None)
+
+
 def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[UnitProfile]]:
     """Per stage, the profiled units it runs (the ``rest``, i.e. the loss, on the last stage)."""
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \

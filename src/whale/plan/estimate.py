@@ -139,7 +139,9 @@ class DefaultEstimator:
     """Estimator for :func:`whale.plan.search.search` (see the module docstring): ``est(c) -> Estimate``, with
     ``bound(c)`` (exact memory and a lower bound on the step: the bottleneck stage's m x (forward + backward)
     plus the post-step work) and ``monotone_options`` (checkpointing only adds seconds here, and offload does
-    when the host path is slower per element than the device's optimizer step)."""
+    when the host path is slower per element than the device's optimizer step). Compute, links and the
+    post-sync work go through ``_seconds``, ``_link`` and ``_update``, which
+    :class:`whale.plan.calibrated.CalibratedEstimator` overrides with the measured costs."""
 
     def __init__(self, model: ModelDesc, pool: DevicePool, global_batch: int) -> None:
         if global_batch < 1:
@@ -207,41 +209,59 @@ class DefaultEstimator:
     def _pipe_uncached(self, layers: tuple, mix: tuple, t: int, d: int, m: int,
                        ckpt: bool) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         fwd, bwd, comm = [], [], 0.0
-        lat = self.pool.latency
         edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
         for s in range(len(layers)):
-            st = self._stage(int(edges[s]), int(edges[s + 1]), t)
+            a, b = int(edges[s]), int(edges[s + 1])
+            st = self._stage(a, b, t)
             _, lanes = self._lane_rows(mix[s], m, t)
-            k, r = max(lanes, key=lambda x: (x[1] / self.pool.speed(x[0]), x[1]))  # the slowest lane
-            speed = self.pool.speed(k)
+            f, bw_ = max((self._seconds(a, b, t, k, r, ckpt) for k, r in lanes), key=lambda x: (sum(x), x))
             r_most = max(x[1] for x in lanes)
-            recompute = st.fwd if ckpt else 0.0
             split_comm = 0.0
             if t > 1:
-                bw = self._bw(t)
+                bw, lat = self._link(t, "allreduce")
                 split_comm = ring_allreduce_time(r_most * st.allreduce, t, bw, lat) + \
                     2 * ring_allgather_time(r_most * st.alltoall, t, bw, lat)
-            fwd.append(compute_time(r * st.fwd, speed) + split_comm)
-            bwd.append(compute_time(r * (st.train - st.fwd + recompute), speed) + split_comm)
+            fwd.append(f + split_comm)
+            bwd.append(bw_ + split_comm)
             if s < len(layers) - 1:
-                comm = max(comm, p2p_time(r_most * st.out, self._bw(2 * d * t), lat))
+                bw, lat = self._link(2 * d * t, "p2p")
+                comm = max(comm, p2p_time(r_most * st.out, bw, lat))
         return tuple(fwd), tuple(bwd), comm
+
+    def _seconds(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float]:
+        """``(forward, backward)`` compute seconds of one micro-batch of ``rows`` samples through layers
+        ``[a, b)`` at split degree ``t`` on a device of type ``k``: FLOPs at the type's achieved speed
+        (:func:`whale.plan.cost.compute_time`); backward adds the forward again under checkpointing."""
+        st, speed = self._stage(a, b, t), self.pool.speed(k)
+        recompute = st.fwd if ckpt else 0.0
+        return compute_time(rows * st.fwd, speed), compute_time(rows * (st.train - st.fwd + recompute), speed)
+
+    def _link(self, group: int, kind: str) -> tuple[float, float]:
+        """``(bytes/s, seconds per message step)`` of a ``group`` of devices' collectives (``kind``
+        ``"allreduce"``) or sends (``"p2p"``): the pool's intra- or inter-node link."""
+        return self._bw(group), self.pool.latency
+
+    def _update(self, elements: float, mix: tuple[int, ...], d: int, options: MemoryOptions, bw: float,
+                lat: float) -> float:
+        """Seconds of one device's optimizer step and memory techniques after the gradient sync of a stage
+        of ``elements`` parameter elements per device on the device types ``mix``."""
+        share = 1.0 / d if options.zero else 1.0
+        mem_bw = min(self.pool.types[k].mem_bandwidth for k, n in enumerate(mix) if n)
+        opt = 0.0 if options.offload != "none" else OPTIMIZER_BYTES_PER_ELEMENT * share * elements / mem_bw
+        return opt + technique_seconds(elements, share, d, options, bw)
 
     def _post(self, c: Candidate) -> float:
         """Seconds after the pipeline drains: gradient sync, optimizer step, memory techniques; slowest stage."""
         return self._post_cache(c.stage_layers, c.stage_devices, c.split, c.data_parallel, c.options)
 
     def _post_uncached(self, layers: tuple, mix: tuple, t: int, d: int, options: MemoryOptions) -> float:
-        worst, lat = 0.0, self.pool.latency
-        bw = self._bw(d * t)
+        worst = 0.0
+        bw, lat = self._link(d * t, "allreduce")
         edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
         for s in range(len(layers)):
             st = self._stage(int(edges[s]), int(edges[s + 1]), t)
-            share = 1.0 / d if options.zero else 1.0
             sync = ring_allreduce_time(4 * st.elements, d, bw, lat) if d > 1 else 0.0
-            mem_bw = min(self.pool.types[k].mem_bandwidth for k, n in enumerate(mix[s]) if n)
-            opt = 0.0 if options.offload != "none" else OPTIMIZER_BYTES_PER_ELEMENT * share * st.elements / mem_bw
-            worst = max(worst, sync + opt + technique_seconds(st.elements, share, d, options, bw))
+            worst = max(worst, sync + self._update(st.elements, mix[s], d, options, bw, lat))
         return worst
 
     def _simulate(self, sched: str, p: int, m: int, fwd: tuple, bwd: tuple, comm: float) -> float:

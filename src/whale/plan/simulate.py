@@ -133,7 +133,7 @@ def speed_factors(cluster: ClusterSpec | None, calib: Calibration, world: int, c
     return [1.0 / (spf * d.flops(dtype) * calib.gpu_efficiency) for d in cluster.devices()]
 
 
-def _link(cluster: ClusterSpec | None, calib: Calibration, ranks: list[int], kind: str) -> tuple[float, float]:
+def link(cluster: ClusterSpec | None, calib: Calibration, ranks: list[int], kind: str) -> tuple[float, float]:
     """(bandwidth, latency) of the slowest link among ``ranks``: measured local gloo under emulation or
     without a cluster, else the declared links."""
     if cluster is None or cluster.emulate or len(ranks) < 2:
@@ -158,12 +158,24 @@ def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, 
         return
     for lane in range(len(fwd)):
         first = lane - lane % n
-        bw, lat = _link(cluster, calib, [plan.rank_of(s, j) for j in range(first, first + n)], "allreduce")
+        bw, lat = link(cluster, calib, [plan.rank_of(s, j) for j in range(first, first + n)], "allreduce")
         for mb in range(len(fwd[lane])):
             size = st.split_bytes * sum(rows[j][mb] for j in range(first, first + n))
             t = cost.ring_allgather_time(size, n, bw, lat) + cost.ring_reduce_scatter_time(size, n, bw, lat)
             fwd[lane][mb] += t
             bwd[lane][mb] += t
+
+
+def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibration,
+                    checkpoint: bool = False) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
+    speed factor ``factor`` (seconds there per measured second): ``factor x (segment overhead + the units'
+    overheads + rows x seconds per row)``, backward adding the recomputed forward under activation
+    checkpointing. The one home of the calibrated compute formula (:func:`predict`, the calibrated search
+    estimator :mod:`whale.plan.calibrated`)."""
+    extra = st.recompute_per_row if checkpoint else 0.0
+    return (factor * (calib.segment_overhead + st.fwd_overhead + rows * st.fwd_per_row),
+            factor * (calib.segment_overhead + st.bwd_overhead + rows * (st.bwd_per_row + extra)))
 
 
 def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions,
@@ -174,9 +186,9 @@ def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibrati
         f_s, b_s = [], []
         for lane, mbs in enumerate(rows[s]):
             k = factor[plan.rank_of(s, lane)]
-            extra = st.recompute_per_row if options.activation_checkpoint else 0.0
-            f_s.append([k * (calib.segment_overhead + st.fwd_overhead + r * st.fwd_per_row) for r in mbs])
-            b_s.append([k * (calib.segment_overhead + st.bwd_overhead + r * (st.bwd_per_row + extra)) for r in mbs])
+            times = [segment_seconds(st, r, k, calib, options.activation_checkpoint) for r in mbs]
+            f_s.append([f for f, _ in times])
+            b_s.append([b for _, b in times])
         if any(tg.has_split for tg in plan.stage_task_graphs(s)):
             f_s, b_s = _lockstep(f_s, plan.width_of(s)), _lockstep(b_s, plan.width_of(s))
             _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib)
@@ -206,7 +218,7 @@ def _transfers(plan: Plan, stages: list[StageCost], rows, cluster, calib: Calibr
                 continue
             a = plan.rank_of(s, lane)
             b = plan.rank_of(s + 1, min(lane, plan.lanes_of(s + 1) - 1))
-            bw, lat = _link(cluster, calib, [a, b], "p2p")
+            bw, lat = link(cluster, calib, [a, b], "p2p")
             row.append(cost.p2p_time(max(mbs) * st.boundary_bytes, bw, lat))
         out.append(row)
     return out
@@ -242,7 +254,7 @@ def _grad_sync(plan: Plan, s: int, st: StageCost, last_b: list[tuple[float, floa
     if n < 2 or st.trainable_elements == 0:
         return done
     nbytes = 4.0 * st.trainable_elements
-    bw, lat = _link(cluster, calib, plan.stage_ranks(s), "allreduce")
+    bw, lat = link(cluster, calib, plan.stage_ranks(s), "allreduce")
     if plan.zero >= 2:  # gradients reduce-scattered once backward is done
         return done + cost.ring_reduce_scatter_time(nbytes, n, bw, lat)
     sizes, ready, acc = _buckets(nbytes), [], 0.0
@@ -255,22 +267,34 @@ def _grad_sync(plan: Plan, s: int, st: StageCost, last_b: list[tuple[float, floa
 def _update(plan: Plan, s: int, lane: int, st: StageCost, cluster, calib: Calibration) -> dict[str, float]:
     """Seconds after the gradient sync on one rank: offload copies, the optimizer step, ZeRO's parameter
     all-gather."""
-    n, e = plan.lanes_of(s), float(st.trainable_elements)
-    mine = e / n if plan.zero >= 1 else e
-    rank = plan.rank_of(s, lane)
     local = cluster is None or cluster.emulate
+    bw, lat = link(cluster, calib, plan.stage_ranks(s), "allreduce")
+    mem_bw = 0.0 if local else cluster.devices()[plan.rank_of(s, lane)].mem_bandwidth
+    return update_seconds(st.trainable_elements, plan.lanes_of(s), plan.zero, plan.offload, calib, mem_bw, bw, lat)
+
+
+def update_seconds(elements: float, lanes: int, zero: int, offload: str, calib: Calibration, mem_bandwidth: float,
+                   bandwidth: float, latency: float) -> dict[str, float]:
+    """Seconds of one rank's work after the gradient sync of a stage with ``elements`` trainable parameter
+    elements over ``lanes`` data-parallel lanes: ``offload`` (device -> host copies of 8 bytes per element of
+    the rank's share, plus the parameters under ``"optimizer+params"``), ``optim`` (AdamW on the rank's share,
+    ZeRO >= 1 shards it: measured seconds per element on the host or under emulation, else
+    :data:`ADAM_BYTES_PER_ELEMENT` over ``mem_bandwidth`` bytes/s) and ``allgather`` (ZeRO's gather of the
+    updated fp32 parameters over a ring of ``bandwidth`` bytes/s, ``latency`` s per step).
+    ``mem_bandwidth`` = 0 means local (the calibration machine or an emulated cluster)."""
+    e = float(elements)
+    mine = e / lanes if zero >= 1 else e
+    local = mem_bandwidth <= 0
     out = {"offload": 0.0, "optim": 0.0, "allgather": 0.0}
-    if plan.offload != "none":
-        link = LOCAL_COPY_BANDWIDTH if local else PCIE_BANDWIDTH
-        moved = 8 * mine + (8 * e if plan.offload == "optimizer+params" else 0.0)
-        out["offload"] = cost.offload_time(moved, link)
-    if local or plan.offload != "none":
+    if offload != "none":
+        moved = 8 * mine + (8 * e if offload == "optimizer+params" else 0.0)
+        out["offload"] = cost.offload_time(moved, LOCAL_COPY_BANDWIDTH if local else PCIE_BANDWIDTH)
+    if local or offload != "none":
         out["optim"] = mine * calib.optimizer_seconds_per_element
     else:
-        out["optim"] = ADAM_BYTES_PER_ELEMENT * mine / cluster.devices()[rank].mem_bandwidth
-    if plan.zero >= 1 and n > 1:
-        bw, lat = _link(cluster, calib, plan.stage_ranks(s), "allreduce")
-        out["allgather"] = cost.ring_allgather_time(4 * e, n, bw, lat)
+        out["optim"] = ADAM_BYTES_PER_ELEMENT * mine / mem_bandwidth
+    if zero >= 1 and lanes > 1:
+        out["allgather"] = cost.ring_allgather_time(4 * e, lanes, bandwidth, latency)
     return out
 
 
@@ -282,7 +306,7 @@ def _zero3_gathers(plan: Plan, stages: list[StageCost], fwd, bwd, cluster, calib
         n = plan.lanes_of(s)
         if plan.zero < 3 or n < 2:
             continue
-        bw, lat = _link(cluster, calib, plan.stage_ranks(s), "allreduce")
+        bw, lat = link(cluster, calib, plan.stage_ranks(s), "allreduce")
         g = cost.ring_allgather_time(4.0 * st.trainable_elements, n, bw, lat)
         for arr in (fwd[s], bwd[s]):
             for lane in arr:
