@@ -226,7 +226,14 @@ def run(args) -> dict:
     from benchmarks._launch import launch
 
     t0 = time.time()
-    part = simulator_part(launch, args.runs.split(","), args.warmup, args.steps, args.cores)
+    before = os.environ.get("WHALE_EMULATION_CORES")
+    try:
+        part = simulator_part(launch, args.runs.split(","), args.warmup, args.steps, args.cores)
+    finally:  # the stretched emulation is this part's own; later parts run at the machine's cores
+        if before is None:
+            os.environ.pop("WHALE_EMULATION_CORES", None)
+        else:
+            os.environ["WHALE_EMULATION_CORES"] = before
     png = os.path.splitext(args.out)[0] + "_sim.png"
     plot_sim(part["sim_runs"], png)
     print_sim(part)
