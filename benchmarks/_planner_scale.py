@@ -113,7 +113,8 @@ def _statement(fits: bool, params: int, devices: int, out: dict) -> str:
             f"({over / gb:.1f} GB = {over:.3g} bytes over). Even fp16 parameters and gradients alone are "
             f"{4 * params / devices / gb:.1f} GB per device with every parameter sharded over all {devices} "
             f"devices, so it fits only if parameters live in host memory and stream to the device layer by layer "
-            f"(M6-10T's granular CPU offloading; Whale's runtime does not combine ZeRO-3 with offload), which needs "
+            f"(M6-10T's granular CPU offloading; Whale's ZeRO-3 offloads the optimizer but does not stream "
+            f"parameters from the host), which needs "
             f"{16 * params / devices * 8 / 1e12:.2f} TB of host memory per 8-GPU node for fp32 masters + AdamW "
             f"(or {12 * params / devices * 8 / 1e12:.2f} TB with fp16 parameters on the host)")
 
