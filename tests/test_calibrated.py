@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tests.test_search import _random_instance
+from tests.test_search import _random_instance, _space
 from whale.cluster import homogeneous_cpu
 from whale.plan.calibrated import CalibratedEstimator, type_factors
 from whale.plan.calibration import Calibration, UnitTiming
@@ -88,9 +88,8 @@ def test_search_on_calibrated_costs_equals_brute_force():
         timings = [UnitTiming(rng.uniform(1e-5, 1e-3), rng.uniform(1e-5, 2e-3), rng.uniform(0, 2e-3),
                               rng.uniform(0, 4e-3)) for _ in model.layers]
         factors = tuple(rng.uniform(1.0, 3.0) for _ in pool.types)
-        est = CalibratedEstimator(model, pool, batch, timings, CAL, factors, emulated=rng.random() < 0.5)
-        cands = list(enumerate_candidates(len(model.layers), pool.counts, batch, Constraints(), est.cuts,
-                                          est.split_ok, [t.memory_bytes for t in pool.types], all_cuts_below=10**6))
+        est, cands = _space(model, pool, batch, est=CalibratedEstimator(model, pool, batch, timings, CAL, factors,
+                                                                         emulated=rng.random() < 0.5))
         scored = [(e.step_seconds, c) for c in cands if (e := est(c)).fits]
         if not scored:
             continue

@@ -36,9 +36,10 @@ def _random_instance(rng: random.Random) -> tuple[ModelDesc, DevicePool, int]:
     return ModelDesc(tuple(layers)), pool, rng.choice([4, 8, 12, 16])
 
 
-def _space(model, pool, batch, cons=None):
+def _space(model, pool, batch, cons=None, est=None):
+    """(estimator, every candidate of the space) for a random instance; ``est`` defaults to the datasheet one."""
     cons = cons or Constraints()
-    est = DefaultEstimator(model, pool, batch)
+    est = est or DefaultEstimator(model, pool, batch)
     return est, list(enumerate_candidates(len(model.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
                                           [t.memory_bytes for t in pool.types], all_cuts_below=10**6))
 
