@@ -27,6 +27,7 @@ from whale.frontend.profile import default_units
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.memory.checkpointing import resolve_targets
+from whale.moe import with_moe_layers
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.memory import MemoryOptions
 from whale.plan.plan import Plan
@@ -127,6 +128,7 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
+    plan = with_moe_layers(model, plan)
     plan = _with_checkpointing(model, plan, config)
     if sample_batch is not None:
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size

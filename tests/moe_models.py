@@ -1,0 +1,79 @@
+"""Models and the distributed worker of the MoE tests (tests/test_moe.py): a replicate model whose MoE layer is
+under a nested split (expert parallelism) and a one-process ``deepcopy`` reference trained side by side."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import whale as wh
+
+
+class MoENet(nn.Module):
+    """``[B, T, 6] -> [B, T, 3]``: Linear, residual MoE (under a split nested in the replicate), Linear."""
+
+    def __init__(self, experts=4, top_k=2, capacity_factor=None, count=None, d=8, d_ff=12):
+        super().__init__()
+        with wh.replicate(count):
+            self.inp = nn.Linear(6, d)
+            with wh.split(count):
+                self.moe = wh.MoE(d, d_ff, experts, top_k, capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
+            self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.moe(h))
+
+
+def with_shard_weights(plan, weights):
+    """A new plan with uneven split shard weights (what the hardware-aware planner sets on mixed clusters)."""
+    if not weights:
+        return plan
+    tgs = tuple(dataclasses.replace(
+        tg, shard_weights=tuple(weights) if tg.kind == "split" else (),
+        nested=tuple(dataclasses.replace(n, shard_weights=tuple(weights)) for n in tg.nested))
+        for tg in plan.task_graphs)
+    return dataclasses.replace(plan, task_graphs=tgs)
+
+
+def batches(spec, steps):
+    g = torch.Generator().manual_seed(1)
+    b, t = spec["batch"], spec.get("tokens", 5)
+    return [(torch.randn(b, t, 6, generator=g) * 2, torch.randn(b, t, 3, generator=g)) for _ in range(steps)]
+
+
+def compare(rank, world, spec):
+    """3 AdamW steps of the engine and of a one-process reference; returns losses, full state, drop masks."""
+    from whale.parallel.split_ops import comm_bytes
+
+    ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0))
+    model = MoENet(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
+    ref = copy.deepcopy(model)
+    plan = with_shard_weights(wh.plan_model(model, world, ctx.config), spec.get("shard_weights"))
+    engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model),
+                            lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx, plan=plan)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    comm_bytes.clear()
+    out = {"losses": [], "ref_losses": [], "keep": [], "ref_keep": [], "plan": plan.to_json(), "plan_text": str(plan)}
+    data = batches(spec, spec.get("steps", 3))
+    for x, y in data:
+        out["losses"].append(engine.step((x, y))["loss"])
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y) + wh.moe_aux_loss(ref)
+        loss.backward()
+        ref_opt.step()
+        out["ref_losses"].append(loss.item())
+        rows = plan.micro_batch_rows(len(x), 0)[engine.lane][-1]  # this lane's rows of the last micro-batch
+        out["keep"].append(engine.module.moe.sharded.last_routing.keep.tolist())
+        out["ref_keep"].append(ref.moe.last_routing.keep[rows[0]:rows[1]].tolist())
+    out["sizes"] = engine.module.moe.sharded.sizes
+    out["bytes"] = dict(comm_bytes)
+    state = engine.full_state_dict()
+    if rank == 0:
+        out["state"] = {k: v.tolist() for k, v in state.items()}
+        out["ref_state"] = {k: v.tolist() for k, v in ref.state_dict().items()}
+    return out
