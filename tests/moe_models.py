@@ -29,6 +29,24 @@ class MoENet(nn.Module):
         return self.out(h + self.moe(h))
 
 
+class PipeMoENet(nn.Module):
+    """Two pipeline stages of 2 devices: ``inp``; then the MoE (expert parallel over the stage's 2 devices) and
+    ``out``."""
+
+    def __init__(self, experts=4, top_k=2, capacity_factor=None, count=None, d=8, d_ff=12):
+        super().__init__()
+        with wh.replicate(2):
+            self.inp = nn.Linear(6, d)
+        with wh.replicate(2):
+            with wh.split(2):
+                self.moe = wh.MoE(d, d_ff, experts, top_k, capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
+            self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.moe(h))
+
+
 def with_shard_weights(plan, weights):
     """A new plan with uneven split shard weights (what the hardware-aware planner sets on mixed clusters)."""
     if not weights:
@@ -50,8 +68,10 @@ def compare(rank, world, spec):
     """3 AdamW steps of the engine and of a one-process reference; returns losses, full state, drop masks."""
     from whale.parallel.split_ops import comm_bytes
 
-    ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0))
-    model = MoENet(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
+    ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0,
+                            zero=spec.get("zero", 0)))
+    net = PipeMoENet if spec.get("pipe") else MoENet
+    model = net(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
     ref = copy.deepcopy(model)
     plan = with_shard_weights(wh.plan_model(model, world, ctx.config), spec.get("shard_weights"))
     engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model),
@@ -67,13 +87,19 @@ def compare(rank, world, spec):
         loss.backward()
         ref_opt.step()
         out["ref_losses"].append(loss.item())
-        rows = plan.micro_batch_rows(len(x), 0)[engine.lane][-1]  # this lane's rows of the last micro-batch
-        out["keep"].append(engine.module.moe.sharded.last_routing.keep.tolist())
-        out["ref_keep"].append(ref.moe.last_routing.keep[rows[0]:rows[1]].tolist())
-    out["sizes"] = engine.module.moe.sharded.sizes
+        region = _moe_region(engine)
+        if region is not None:
+            rows = plan.micro_batch_rows(len(x), engine.stage)[engine.lane][-1]  # the last micro-batch's rows
+            out["keep"].append(region.sharded.last_routing.keep.tolist())
+            out["ref_keep"].append(ref.moe.last_routing.keep[rows[0]:rows[1]].tolist())
+    out["sizes"] = _moe_region(engine).sharded.sizes if _moe_region(engine) is not None else None
     out["bytes"] = dict(comm_bytes)
     state = engine.full_state_dict()
     if rank == 0:
         out["state"] = {k: v.tolist() for k, v in state.items()}
         out["ref_state"] = {k: v.tolist() for k, v in ref.state_dict().items()}
     return out
+
+
+def _moe_region(engine):
+    return next((r for r in engine.split.regions if getattr(r.sharded, "is_moe", False)), None)

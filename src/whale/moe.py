@@ -293,3 +293,27 @@ def with_moe_layers(model: nn.Module, plan):
                     layers.append(MoELayer(name, m.num_experts, m.top_k))
     return dataclasses.replace(plan, moe_layers=tuple(layers)) if layers else plan
 
+
+
+def check_aux_stages(model: nn.Module, plan) -> None:
+    """Refuse an MoE layer with an auxiliary loss in a pipeline stage before the last: the loss function runs on
+    the last stage only, so that layer's :attr:`MoE.aux_loss` would silently be left out of training.
+
+    Raises:
+        PlanError: naming the layer, its coefficients, its stage and the fixes.
+    """
+    from whale.plan.plan import PlanError
+
+    if plan.num_stages < 2 or not plan.stage_cuts:
+        return
+    where = {p: s for s, cut in enumerate(plan.stage_cuts) for p in cut.params}
+    for name, m in model.named_modules():
+        stage = where.get(f"{name}.router.weight" if name else "router.weight")
+        if isinstance(m, MoE) and (m.aux_loss_coef or m.z_loss_coef) and stage is not None \
+                and stage < plan.num_stages - 1:
+            raise PlanError(
+                f"the MoE layer {name!r} has aux_loss_coef={m.aux_loss_coef}, z_loss_coef={m.z_loss_coef} but runs "
+                f"in pipeline stage {stage} of {plan.num_stages}; the loss function runs on the last stage only, "
+                "so whale.moe_aux_loss(model) there cannot add this layer's auxiliary loss. Put MoE layers with "
+                "auxiliary losses in the last stage, set both coefficients to 0 in earlier stages, or train "
+                "without a pipeline")

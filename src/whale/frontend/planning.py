@@ -27,7 +27,7 @@ from whale.frontend.profile import default_units
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.memory.checkpointing import resolve_targets
-from whale.moe import with_moe_layers
+from whale.moe import check_aux_stages, with_moe_layers
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.memory import MemoryOptions
 from whale.plan.plan import Plan
@@ -129,6 +129,7 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
     plan = with_moe_layers(model, plan)
+    check_aux_stages(model, plan)  # an MoE auxiliary loss outside the last stage would be silently dropped
     plan = _with_checkpointing(model, plan, config)
     if sample_batch is not None:
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
