@@ -182,3 +182,23 @@ def _already_sharded(module, group, sizes, **ctx):
 
 _register_builtin(MoE, _moe_rule)
 _register_builtin(ExpertParallelMoE, _already_sharded)
+
+
+
+def expected_alltoall_bytes(routings: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[int], d_model: int,
+                            itemsize: int = 4) -> list[int]:
+    """Per group rank, the bytes :func:`all_to_all` sends to other ranks in one forward + backward of one layer,
+    from the routing alone: ``2 x (P_out + P_in) x d_model x itemsize``, where P_out = kept (token, choice) pairs
+    of the rank's tokens whose expert lives on another rank and P_in = other ranks' kept pairs whose expert lives
+    on this one (forward: dispatch sends P_out rows, combine returns P_in; backward the reverse, the same again).
+
+    Args:
+        routings: per group rank, ``(experts, keep)`` ``[S, T, k]`` of its :class:`whale.moe.Routing`.
+        sizes: experts per group rank.
+    """
+    owner_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    pairs = torch.zeros(len(sizes), len(sizes), dtype=torch.int64)  # [source, destination]
+    for src, (experts, keep) in enumerate(routings):
+        pairs[src] += torch.bincount(owner_of[experts[keep]], minlength=len(sizes))
+    off = pairs - torch.diag(pairs.diagonal())
+    return [int(2 * (off[r].sum() + off[:, r].sum())) * d_model * itemsize for r in range(len(sizes))]
