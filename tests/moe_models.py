@@ -4,13 +4,13 @@ under a nested split (expert parallelism) and a one-process ``deepcopy`` referen
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import whale as wh
+from tests.test_split_runtime import _with_shard_weights as with_shard_weights  # noqa: F401 (re-export)
 
 
 class MoENet(nn.Module):
@@ -45,17 +45,6 @@ class PipeMoENet(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.inp(x))
         return self.out(h + self.moe(h))
-
-
-def with_shard_weights(plan, weights):
-    """A new plan with uneven split shard weights (what the hardware-aware planner sets on mixed clusters)."""
-    if not weights:
-        return plan
-    tgs = tuple(dataclasses.replace(
-        tg, shard_weights=tuple(weights) if tg.kind == "split" else (),
-        nested=tuple(dataclasses.replace(n, shard_weights=tuple(weights)) for n in tg.nested))
-        for tg in plan.task_graphs)
-    return dataclasses.replace(plan, task_graphs=tgs)
 
 
 def batches(spec, steps):
@@ -103,3 +92,20 @@ def compare(rank, world, spec):
 
 def _moe_region(engine):
     return next((r for r in engine.split.regions if getattr(r.sharded, "is_moe", False)), None)
+
+
+def resume(rank, world, path, weights, save):
+    """2 steps, save (``save``) or load a checkpoint, then 2 more steps; returns the last 2 losses and sizes."""
+    ctx = wh.init(wh.Config(seed=0))
+    model = MoENet(experts=5)
+    plan = with_shard_weights(wh.plan_model(model, world, ctx.config), weights)
+    engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model),
+                            lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx, plan=plan)
+    data = batches({"batch": 8}, 4)
+    if save:
+        for x, y in data[:2]:
+            engine.step((x, y))
+        engine.save_checkpoint(path)
+    else:
+        engine.load_checkpoint(path)
+    return [engine.step((x, y))["loss"] for x, y in data[2:]], _moe_region(engine).sharded.sizes

@@ -22,7 +22,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.moe_models import MoENet, compare, with_shard_weights
+from tests.moe_models import MoENet, compare, resume, with_shard_weights
 from whale.cluster import ClusterSpec
 from whale.moe import capacity, route
 from whale.parallel.split_ops import shard_sizes
@@ -250,3 +250,10 @@ def test_expert_parallel_in_a_pipeline_stage():
     results = run_ranks(compare, 4, {"batch": 8, "shares": (3, 1), "pipe": True, "mb": 2, "cf": 1.0})
     _check(results, drops=True)
     assert [r["sizes"] for r in results] == [None, None, [2, 2], [2, 2]]
+
+
+def test_expert_parallel_checkpoint_loads_under_other_expert_counts(tmp_path):
+    saved = run_ranks(resume, 2, str(tmp_path), (3, 1), True)
+    loaded = run_ranks(resume, 4, str(tmp_path), (1, 2, 1, 1), False)
+    assert saved[0][1] == [4, 1] and loaded[0][1] == [1, 2, 1, 1]
+    torch.testing.assert_close(torch.tensor(loaded[0][0]), torch.tensor(saved[0][0]), rtol=RTOL, atol=ATOL)

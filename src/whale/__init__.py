@@ -42,8 +42,9 @@ __all__ = [
     "AnnotationError", "BatchError", "CheckpointError", "Config", "ConfigError", "Context",
     "EmulatedOutOfMemoryError", "Engine", "LossScale", "MoE", "OptimizerError", "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
-    "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss", "parallelize",
-    "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
+    "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
+    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
+    "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 
