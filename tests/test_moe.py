@@ -166,12 +166,23 @@ def test_expert_counts_errors_name_the_numbers():
 def test_plan_prints_hardware_aware_experts_per_device():
     spec = ClusterSpec.from_dict({"nodes": [{"devices": ["V100-32GB", "T4"]}]})
     plan = wh.plan_model(MoENet(experts=8), 2, wh.Config(cluster=spec))
-    text = str(plan)
-    print(text)
+    text = " ".join(str(plan).split())
+    print(plan)
     assert plan.moe_layers[0].num_experts == 8 and wh.Plan.from_json(plan.to_json()) == plan
     assert "MoE 'moe': 8 experts, top-2, expert parallel over 2 device(s) per split group; experts per device " \
-           "(by device speed): 5, 3" in text  # V100 15.7 vs T4 8.1 TFLOPS: min max(c / speed) is 5 / 3
-    assert "experts per device (by device speed): 6, 2" in str(with_shard_weights(plan, (3.0, 1.0)))
+           "(hardware-aware): 5 (rank 0 V100-32GB), 3 (rank 1 T4)" in text  # 15.7 vs 8.1 TFLOPS: min max is 5/3
+    assert "6 (rank 0 V100-32GB), 2 (rank 1 T4)" in " ".join(str(with_shard_weights(plan, (3.0, 1.0))).split())
+
+
+def test_plan_caps_experts_per_device_by_memory():
+    expert = MoENet(experts=8).moe.w1[0].numel() + 12 + 12 * 8 + 8  # d 8, d_ff 12: 212 elements, 16 bytes each
+    devices = {"nodes": [{"devices": ["V100-32GB", "V100-16GB"]}], "emulate": True}
+    roomy = ClusterSpec.from_dict({**devices, "memory_scale": 16 * expert * 6.5 / 32e9})  # holds 6 and 3 experts
+    plan = wh.plan_model(MoENet(experts=8), 2, wh.Config(cluster=roomy))
+    assert "5 (rank 0 V100-32GB), 3 (rank 1 V100-16GB)" in " ".join(str(plan).split())  # equal speed, capped
+    tight = ClusterSpec.from_dict({**devices, "memory_scale": 16 * expert * 2.5 / 32e9})  # holds 2 and 1
+    with pytest.raises(InfeasiblePlanError, match=r"cannot place 8 experts of 3.3 KiB each on 2 devices"):
+        wh.plan_model(MoENet(experts=8), 2, wh.Config(cluster=tight))
 
 
 def test_plan_refuses_more_devices_than_experts():

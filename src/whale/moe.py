@@ -290,7 +290,8 @@ def with_moe_layers(model: nn.Module, plan):
                         f"{name or '<the whole model>'!r}: expert parallelism needs the MoE layer itself as the "
                         "split module; build only the MoE layer under wh.split (the rest under wh.replicate)")
                 if isinstance(m, MoE):
-                    layers.append(MoELayer(name, m.num_experts, m.top_k))
+                    per_expert = sum(p.numel() for p in (m.w1, m.b1, m.w2, m.b2) if p is not None) // m.num_experts
+                    layers.append(MoELayer(name, m.num_experts, m.top_k, per_expert))
     return dataclasses.replace(plan, moe_layers=tuple(layers)) if layers else plan
 
 

@@ -16,10 +16,14 @@ the units of a split; experts as the unit of expert parallelism as in GShard (Le
 
 from __future__ import annotations
 
-from whale.plan.balance import _balance, whole_shares
-from whale.plan.plan import PlanError
+import dataclasses
 
-__all__ = ["expert_counts", "ExpertPlacementError"]
+from whale.plan.balance import InfeasiblePlanError, _balance, whole_shares
+from whale.plan.cost import memory_per_device
+from whale.plan.plan import Plan, PlanError
+from whale.units import format_bytes
+
+__all__ = ["expert_counts", "expert_memory_counts", "ExpertPlacementError"]
 
 
 class ExpertPlacementError(PlanError):
@@ -55,5 +59,67 @@ def expert_counts(num_experts: int, speeds: list[float] | tuple[float, ...],
     if mem_capacity is None:
         return whole_shares(num_experts, list(speeds), min_share=1)
     fixed = [0.0] * n if mem_fixed is None else list(mem_fixed)
-    return _balance(num_experts, [float(s) for s in speeds], list(mem_capacity), fixed, float(bytes_per_expert), 1,
-                    "expert")
+    try:
+        return _balance(num_experts, [float(s) for s in speeds], list(mem_capacity), fixed, float(bytes_per_expert),
+                        1, "expert")
+    except InfeasiblePlanError as e:
+        why = str(e).split(". Use more devices")[0]
+        raise InfeasiblePlanError(
+            f"cannot place {num_experts} experts of {format_bytes(bytes_per_expert)} each on {n} devices within "
+            f"their memory: {why}. Use more devices for the split, devices with more memory, or fewer or smaller "
+            "experts", e.device, e.need_bytes, e.capacity_bytes) from None
+
+
+def _scopes(plan: Plan):
+    """``(stage, path, scope)`` of every split scope (a split TaskGraph or a split nested in one)."""
+    for i, tg in enumerate(plan.task_graphs):
+        stage = 0 if plan.colocated else tg.index
+        if tg.kind == "split":
+            yield stage, (i, None), tg
+        for j, nest in enumerate(tg.nested):
+            if nest.kind == "split":
+                yield stage, (i, j), nest
+
+
+def expert_memory_counts(plan: Plan, capacity: list[float]) -> Plan:
+    """``plan`` with each expert-parallel split's experts per device capped by device memory (pure function).
+
+    For every split scope whose modules are all MoE layers of one expert count E (:attr:`Plan.moe_layers`),
+    group position j may use the least ``capacity`` of the ranks at j over the replicas; one expert costs
+    its parameters, gradients and AdamW state on every layer of the scope (fp32: :func:`whale.plan.cost.
+    memory_per_device` of 4 + 4 + 8 bytes per element; the rest of the model is not counted). The counts are
+    :func:`expert_counts` of the scope's shard weights within that memory; where they differ from the weights'
+    own counts the scope's shard weights become the counts (whole_shares of counts that add up to E gives back
+    those counts, so running and printing derive them again). Other scopes are only checked, layer by layer.
+
+    Raises:
+        InfeasiblePlanError: some layer's experts do not fit the devices' memory (naming the device and bytes).
+    """
+    if not plan.moe_layers or not plan.uniform_width or plan.stage_width <= 1:
+        return plan
+    n, layers = plan.stage_width, {m.module: m for m in plan.moe_layers}
+    tgs = list(plan.task_graphs)
+    for stage, (i, j), scope in _scopes(plan):
+        cap = [min(capacity[plan.rank_of(stage, k * n + p)] for k in range(plan.num_replicas)) for p in range(n)]
+        weights = list(scope.shard_weights) or [1.0] * n
+        mine = [layers[m] for m in scope.modules if m in layers]
+        if not mine:
+            continue
+        if len(mine) < len(scope.modules) or len({m.num_experts for m in mine}) > 1:
+            for m in mine:
+                expert_counts(m.num_experts, weights, cap, None, _expert_bytes(m.expert_params))
+            continue
+        counts = expert_counts(mine[0].num_experts, weights, cap, None,
+                               sum(_expert_bytes(m.expert_params) for m in mine))
+        if counts != expert_counts(mine[0].num_experts, weights):
+            new = dataclasses.replace(scope, shard_weights=tuple(float(c) for c in counts))
+            tgs[i] = new if j is None else dataclasses.replace(
+                tgs[i], nested=tuple(new if q == j else x for q, x in enumerate(tgs[i].nested)))
+    notes = () if tuple(tgs) == plan.task_graphs else (
+        "experts per device capped by device memory (parameters, gradients and AdamW state of the experts)",)
+    return dataclasses.replace(plan, task_graphs=tuple(tgs), notes=plan.notes + notes)
+
+
+def _expert_bytes(elements: int) -> float:
+    """fp32 parameters, gradients and AdamW's two moments of one expert, bytes."""
+    return memory_per_device(4.0 * elements, 4.0 * elements, 8.0 * elements)

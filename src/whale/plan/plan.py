@@ -127,11 +127,13 @@ class MoELayer(_Checked):
         module: the layer's FQN (a split target of some stage).
         num_experts: E.
         top_k: experts per token.
+        expert_params: parameter elements of one expert (what each expert a device holds adds).
     """
 
     module: str
     num_experts: int
     top_k: int = 1
+    expert_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
                 "shard_weights": _POS},
     SharedParam: {"names": _seq(_STR, "names", least=1), "stages": _seq(_int(0), "stages", least=2)},
     CaptureInput: {"name": _STR, "dtype": _STR, "shape": _seq(_int(0), "sizes"), "constant": _STR},
-    MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1)},
+    MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1), "expert_params": _int(0)},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
            "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,

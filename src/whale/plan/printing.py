@@ -164,11 +164,15 @@ def _expert_rows(plan: Plan) -> list[str]:
     for layer in plan.moe_layers:
         weights = next((w for s in range(plan.num_stages) for name, w in plan.split_targets(s)
                         if name == layer.module), ())
+        stage = next(s for s in range(plan.num_stages) if layer.module in dict(plan.split_targets(s)))
         n = plan.stage_width if plan.uniform_width else 1
         counts = expert_counts(layer.num_experts, list(weights) or [1.0] * n)
-        how = "by device speed" if len(set(weights)) > 1 else "equal"
-        rows.append(f"MoE {layer.module!r}: {layer.num_experts} experts, top-{layer.top_k}, expert parallel over "
-                    f"{n} device(s) per split group; experts per device ({how}): " + ", ".join(map(str, counts)))
+        how = "hardware-aware" if len(set(weights)) > 1 else "equal"
+        ranks = [plan.rank_of(stage, j) for j in range(n)]
+        where = [f"{c} (rank {r}{' ' + plan.devices[r] if plan.devices else ''})" for c, r in zip(counts, ranks,
+                                                                                                  strict=True)]
+        rows += _wrapped(f"MoE {layer.module!r}: {layer.num_experts} experts, top-{layer.top_k}, expert parallel over "
+                         f"{n} device(s) per split group; experts per device ({how}): ", where)
     return rows
 
 
