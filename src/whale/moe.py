@@ -43,7 +43,7 @@ from torch import nn
 
 from whale.splitrules import SplitError, _register_builtin_check, split_modules
 
-__all__ = ["MoE", "Routing", "route", "capacity", "expert_ffn", "moe_aux_loss"]
+__all__ = ["MoE", "Routing", "route", "route_tokens", "capacity", "expert_ffn", "combine", "moe_aux_loss"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
@@ -194,29 +194,35 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[S, ..., d]`` (row = one sample, its tokens the middle dims) -> ``[S, ..., d]``."""
-        tokens, routing = self._route(x)
+        tokens, routing = route_tokens(self, x)
         token, expert, gate = dispatch_order(routing)
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         y = expert_ffn(tokens[token], counts, self.w1, self.b1, self.w2, self.b2, self.activation)
         return combine(y, token, gate, tokens.shape[0], x)
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        """``x`` as tokens ``[S*T, d]`` and their routing; sets :attr:`aux_loss` and :attr:`last_routing`."""
-        if x.dim() < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE expects input [samples, ..., d_model={self.d_model}], got shape "
-                             f"{tuple(x.shape)}")
-        tokens = x.reshape(-1, self.d_model)
-        logits = F.linear(tokens, self.router.weight).float().reshape(x.shape[0], -1, self.num_experts)
-        routing = route(logits, self.top_k, self.capacity_factor)
-        self.aux_loss = self.aux_loss_coef * routing.load_loss + self.z_loss_coef * routing.z_loss
-        self.last_routing = routing
-        return tokens, routing
 
     def extra_repr(self) -> str:
         """Sizes and routing options for ``print(module)``."""
         cap = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"{cap}, aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}")
+
+
+def route_tokens(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    """``x`` ``[S, ..., d]`` as tokens ``[S*T, d]`` and their :class:`Routing` by ``layer``'s router (an
+    :class:`MoE` or its expert-parallel shard: ``router.weight``, sizes and options); sets ``layer.aux_loss``
+    and ``layer.last_routing``. The router runs in fp32 (logits ``[S, T, E]``).
+
+    Raises:
+        ValueError: ``x`` has fewer than 2 dims or a last dim other than ``d_model``.
+    """
+    if x.dim() < 2 or x.shape[-1] != layer.d_model:
+        raise ValueError(f"MoE expects input [samples, ..., d_model={layer.d_model}], got shape {tuple(x.shape)}")
+    tokens = x.reshape(-1, layer.d_model)
+    logits = F.linear(tokens, layer.router.weight).float().reshape(x.shape[0], -1, layer.num_experts)
+    routing = route(logits, layer.top_k, layer.capacity_factor)
+    layer.aux_loss = layer.aux_loss_coef * routing.load_loss + layer.z_loss_coef * routing.z_loss
+    layer.last_routing = routing
+    return tokens, routing
 
 
 def combine(y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, num_tokens: int,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.moe import MoE, combine, dispatch_order, expert_ffn
+from whale.moe import MoE, combine, dispatch_order, expert_ffn, route_tokens
 from whale.parallel.split_ops import comm_bytes, group_rank, group_size, offsets, resolve_sizes
 from whale.parallel.split_state import local_param, replicated_param
 from whale.splitrules import _register_builtin
@@ -137,7 +137,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[b, ..., d]`` -> their outputs ``[b, ..., d]`` (collective over the group)."""
-        tokens, routing = MoE._route(self, x)
+        tokens, routing = route_tokens(self, x)
         origin = self._origin()
         if origin is not None:
             origin.aux_loss = self.aux_loss
@@ -161,7 +161,8 @@ class ExpertParallelMoE(nn.Module):
         starts = offsets(self.sizes) + [self.num_experts]
         cum = [0] + counts.cumsum(0).tolist()
         send = [cum[starts[r + 1]] - cum[starts[r]] for r in range(n)]
-        local_expert = torch.repeat_interleave(torch.arange(self.shard_size).repeat(n), got.reshape(-1))
+        local_expert = torch.repeat_interleave(torch.arange(self.shard_size, device=got.device).repeat(n),
+                                              got.reshape(-1))
         order = torch.sort(local_expert, stable=True).indices
         return send, got.sum(1).tolist(), got.sum(0).tolist(), order
 
