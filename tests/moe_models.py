@@ -58,17 +58,18 @@ def compare(rank, world, spec):
     from whale.parallel.split_ops import comm_bytes
 
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0,
-                            zero=spec.get("zero", 0)))
+                            zero=spec.get("zero", 0), capture="export" if spec.get("export") else "fx"))
     net = PipeMoENet if spec.get("pipe") else MoENet
     model = net(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
     ref = copy.deepcopy(model)
-    plan = with_shard_weights(wh.plan_model(model, world, ctx.config), spec.get("shard_weights"))
+    data = batches(spec, spec.get("steps", 3))
+    sample = data[0] if spec.get("export") else None
+    plan = with_shard_weights(wh.plan_model(model, world, ctx.config, sample_batch=sample), spec.get("shard_weights"))
     engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model),
                             lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx, plan=plan)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     comm_bytes.clear()
     out = {"losses": [], "ref_losses": [], "keep": [], "ref_keep": [], "plan": plan.to_json(), "plan_text": str(plan)}
-    data = batches(spec, spec.get("steps", 3))
     for x, y in data:
         out["losses"].append(engine.step((x, y))["loss"])
         ref_opt.zero_grad()

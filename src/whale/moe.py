@@ -195,6 +195,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[S, ..., d]`` (row = one sample, its tokens the middle dims) -> ``[S, ..., d]``."""
         tokens, routing = route_tokens(self, x)
+        if torch.compiler.is_exporting():  # shapes that depend on the routing cannot be exported: go dense
+            return _dense(self, tokens, routing).reshape(x.shape).to(x.dtype)
         token, expert, gate = dispatch_order(routing)
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         y = expert_ffn(tokens[token], counts, self.w1, self.b1, self.w2, self.b2, self.activation)
@@ -220,9 +222,23 @@ def route_tokens(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Routi
     tokens = x.reshape(-1, layer.d_model)
     logits = F.linear(tokens, layer.router.weight).float().reshape(x.shape[0], -1, layer.num_experts)
     routing = route(logits, layer.top_k, layer.capacity_factor)
-    layer.aux_loss = layer.aux_loss_coef * routing.load_loss + layer.z_loss_coef * routing.z_loss
-    layer.last_routing = routing
+    if not torch.compiler.is_exporting():  # a capture's fake tensors are no loss to keep
+        layer.aux_loss = layer.aux_loss_coef * routing.load_loss + layer.z_loss_coef * routing.z_loss
+        layer.last_routing = routing
     return tokens, routing
+
+
+def _dense(layer: MoE, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The same output as the sparse path with data-independent shapes: every expert on every token
+    ``[E, N, f]``, each token's kept gates scattered into ``[N, E]`` (E times the FLOPs; used while
+    ``torch.export`` captures a pipeline, where the layer is then one opaque call anyway)."""
+    n, k = tokens.shape[0], layer.top_k
+    gates = (routing.gates * routing.keep).reshape(n, k)
+    dense = gates.new_zeros(n, layer.num_experts).scatter_add(1, routing.experts.reshape(n, k), gates)
+    h = torch.einsum("nd,edf->enf", tokens, layer.w1) + (layer.b1[:, None] if layer.b1 is not None else 0)
+    y = torch.einsum("enf,efd->end", _ACTIVATIONS[layer.activation](h), layer.w2)
+    y = y + (layer.b2[:, None] if layer.b2 is not None else 0)
+    return torch.einsum("ne,end->nd", dense.to(y.dtype), y)
 
 
 def combine(y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, num_tokens: int,
