@@ -58,7 +58,8 @@ def compare(rank, world, spec):
     from whale.parallel.split_ops import comm_bytes
 
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0,
-                            zero=spec.get("zero", 0), capture="export" if spec.get("export") else "fx"))
+                            zero=spec.get("zero", 0), capture="export" if spec.get("export") else "fx",
+                            max_grad_norm=spec.get("clip")))
     net = PipeMoENet if spec.get("pipe") else MoENet
     model = net(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
     ref = copy.deepcopy(model)
@@ -75,6 +76,8 @@ def compare(rank, world, spec):
         ref_opt.zero_grad()
         loss = F.mse_loss(ref(x), y) + wh.moe_aux_loss(ref)
         loss.backward()
+        if spec.get("clip"):
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), spec["clip"])
         ref_opt.step()
         out["ref_losses"].append(loss.item())
         region = _moe_region(engine)
