@@ -212,7 +212,8 @@ class MoE(nn.Module):
 def route_tokens(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
     """``x`` ``[S, ..., d]`` as tokens ``[S*T, d]`` and their :class:`Routing` by ``layer``'s router (an
     :class:`MoE` or its expert-parallel shard: ``router.weight``, sizes and options); sets ``layer.aux_loss``
-    and ``layer.last_routing``. The routing math runs in fp32 (the router logits ``[S, T, E]`` are cast before the softmax).
+    and ``layer.last_routing``. The routing math runs in fp32 (the router logits ``[S, T, E]`` are cast before
+    the softmax).
 
     Raises:
         ValueError: ``x`` has fewer than 2 dims or a last dim other than ``d_model``.
