@@ -187,6 +187,28 @@ def test_plan_caps_experts_per_device_by_memory():
         wh.plan_model(MoENet(experts=8), 2, wh.Config(cluster=tight))
 
 
+class _TwoMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with wh.replicate():
+            with wh.split():
+                self.a = wh.MoE(8, 12, 8, 1)
+            with wh.split():
+                self.b = wh.MoE(8, 12, 8, 1)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_memory_caps_count_every_moe_layer_of_a_stage():
+    devices = {"nodes": [{"devices": ["V100-32GB", "V100-16GB"]}], "emulate": True}
+    spec = ClusterSpec.from_dict({**devices, "memory_scale": 16 * 212 * 12.5 / 32e9})  # 12 and 6 expert slots
+    text = " ".join(str(wh.plan_model(_TwoMoE(), 2, wh.Config(cluster=spec))).split())
+    assert "MoE 'a': 8 experts, top-1, expert parallel over 2 device(s) per split group; experts per device " \
+           "(equal): 4 (rank 0 V100-32GB), 4 (rank 1 V100-16GB)" in text
+    assert "experts per device (hardware-aware): 6 (rank 0 V100-32GB), 2 (rank 1 V100-16GB)" in text  # 'b': the rest
+
+
 def test_plan_refuses_more_devices_than_experts():
     with pytest.raises(wh.SplitError, match=r"num_experts=2, fewer than the 4 devices.*wh.replicate\(2\)"):
         wh.plan_model(MoENet(experts=2, top_k=1), 4)

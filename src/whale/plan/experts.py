@@ -84,40 +84,61 @@ def _scopes(plan: Plan):
 def expert_memory_counts(plan: Plan, capacity: list[float]) -> Plan:
     """``plan`` with each expert-parallel split's experts per device capped by device memory (pure function).
 
-    For every split scope whose modules are all MoE layers of one expert count E (:attr:`Plan.moe_layers`),
-    group position j may use the least ``capacity`` of the ranks at j over the replicas; one expert costs
-    its parameters, gradients and AdamW state on every layer of the scope (fp32: :func:`whale.plan.cost.
-    memory_per_device` of 4 + 4 + 8 bytes per element; the rest of the model is not counted). The counts are
-    :func:`expert_counts` of the scope's shard weights within that memory; where they differ from the weights'
-    own counts the scope's shard weights become the counts (whole_shares of counts that add up to E gives back
-    those counts, so running and printing derive them again). Other scopes are only checked, layer by layer.
+    Group position j of a stage may use the least ``capacity`` (bytes, per rank) of the ranks at j over the
+    replicas. One expert costs its fp32 parameters, gradients and AdamW state (:func:`whale.plan.cost.
+    memory_per_device` of 4 + 4 + 8 bytes per element); the rest of the model is not counted. The split scopes
+    of a stage are placed in model order, each within what the earlier ones left (``mem_fixed``): a scope whose
+    modules are all MoE layers of one expert count E gets :func:`expert_counts` of its shard weights within that
+    memory (one expert slot holding that expert of every layer of the scope), and where those differ from the
+    weights' own counts its shard weights become the counts (:func:`whale.plan.balance.whole_shares` of counts
+    adding up to E gives back those counts, so running and printing derive them again); in a scope mixing MoE
+    layers with other modules each layer is only checked, at its weights' counts.
 
     Raises:
-        InfeasiblePlanError: some layer's experts do not fit the devices' memory (naming the device and bytes).
+        InfeasiblePlanError: the experts do not fit the devices' memory (naming the device and the bytes).
     """
     if not plan.moe_layers or not plan.uniform_width or plan.stage_width <= 1:
         return plan
     n, layers = plan.stage_width, {m.module: m for m in plan.moe_layers}
-    tgs = list(plan.task_graphs)
+    tgs, used = list(plan.task_graphs), {}
     for stage, (i, j), scope in _scopes(plan):
         cap = [min(capacity[plan.rank_of(stage, k * n + p)] for k in range(plan.num_replicas)) for p in range(n)]
-        weights = list(scope.shard_weights) or [1.0] * n
-        mine = [layers[m] for m in scope.modules if m in layers]
-        if not mine:
-            continue
-        if len(mine) < len(scope.modules) or len({m.num_experts for m in mine}) > 1:
-            for m in mine:
-                expert_counts(m.num_experts, weights, cap, None, _expert_bytes(m.expert_params))
-            continue
-        counts = expert_counts(mine[0].num_experts, weights, cap, None,
-                               sum(_expert_bytes(m.expert_params) for m in mine))
-        if counts != expert_counts(mine[0].num_experts, weights):
+        counts = _place_scope(scope, [layers[m] for m in scope.modules if m in layers], cap,
+                              used.setdefault(stage, [0.0] * n))
+        if counts is not None:
             new = dataclasses.replace(scope, shard_weights=tuple(float(c) for c in counts))
             tgs[i] = new if j is None else dataclasses.replace(
                 tgs[i], nested=tuple(new if q == j else x for q, x in enumerate(tgs[i].nested)))
     notes = () if tuple(tgs) == plan.task_graphs else (
         "experts per device capped by device memory (parameters, gradients and AdamW state of the experts)",)
     return dataclasses.replace(plan, task_graphs=tuple(tgs), notes=plan.notes + notes)
+
+
+def _place_scope(scope, mine: list, cap: list[float], used: list[float]) -> list[int] | None:
+    """Experts per position for one split scope's MoE layers ``mine`` within ``cap`` minus ``used`` (bytes per
+    position, updated in place); the new counts when memory changed them, else ``None``."""
+    n = len(cap)
+    weights = list(scope.shard_weights) or [1.0] * n
+    if not mine:
+        return None
+    if len(mine) < len(scope.modules) or len({m.num_experts for m in mine}) > 1:
+        for m in mine:  # checked at the counts the runtime will use
+            each = _expert_bytes(m.expert_params)
+            for p, c in enumerate(expert_counts(m.num_experts, weights)):
+                used[p] += c * each
+                if used[p] > cap[p]:
+                    raise InfeasiblePlanError(
+                        f"the MoE layer {m.module!r} puts {c} expert(s) of {format_bytes(each)} on device {p} of its "
+                        f"split group, which then needs {format_bytes(used[p])} for experts but has "
+                        f"{format_bytes(cap[p])}; build the MoE layer in a split scope of its own (its experts "
+                        "per device then follow memory too), use devices with more memory, or fewer or smaller "
+                        "experts", p, used[p], cap[p])
+        return None
+    per_slot = sum(_expert_bytes(m.expert_params) for m in mine)
+    counts = expert_counts(mine[0].num_experts, weights, cap, used, per_slot)
+    for p in range(n):
+        used[p] += counts[p] * per_slot
+    return counts if counts != expert_counts(mine[0].num_experts, weights) else None
 
 
 def _expert_bytes(elements: int) -> float:
