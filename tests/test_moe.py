@@ -174,6 +174,11 @@ def test_plan_prints_hardware_aware_experts_per_device():
     assert "MoE 'moe': 8 experts, top-2, expert parallel over 2 device(s) per split group; experts per device " \
            "(hardware-aware): 5 (rank 0 V100-32GB), 3 (rank 1 T4)" in text  # 15.7 vs 8.1 TFLOPS: min max is 5/3
     assert "6 (rank 0 V100-32GB), 2 (rank 1 T4)" in " ".join(str(with_shard_weights(plan, (3.0, 1.0))).split())
+    model = MoENet(experts=8)  # profiled on fake tensors (a shape-static stand-in of the routing), then planned
+    sample = (torch.randn(4, 5, 6), torch.randn(4, 5, 3))
+    profiled = wh.plan_model(model, 2, wh.Config(cluster=spec), sample_batch=sample)
+    assert "5 (rank 0 V100-32GB), 3 (rank 1 T4)" in " ".join(str(profiled).split()) and profiled.predicted_memory
+    assert model.moe.aux_loss is None  # no fake tensor kept
 
 
 def test_plan_caps_experts_per_device_by_memory():

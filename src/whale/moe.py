@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from whale.splitrules import SplitError, _register_builtin_check, split_modules
 
@@ -197,6 +198,8 @@ class MoE(nn.Module):
         tokens, routing = route_tokens(self, x)
         if torch.compiler.is_exporting():  # shapes that depend on the routing cannot be exported: go dense
             return _dense(self, tokens, routing).reshape(x.shape).to(x.dtype)
+        if not _has_values(x):  # profiling on fake tensors: the FLOPs and sizes of a uniform routing
+            return _uniform(self, tokens, routing).reshape(x.shape).to(x.dtype)
         token, expert, gate = dispatch_order(routing)
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         y = expert_ffn(tokens[token], counts, self.w1, self.b1, self.w2, self.b2, self.activation)
@@ -223,7 +226,7 @@ def route_tokens(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Routi
     tokens = x.reshape(-1, layer.d_model)
     logits = F.linear(tokens, layer.router.weight).float().reshape(x.shape[0], -1, layer.num_experts)
     routing = route(logits, layer.top_k, layer.capacity_factor)
-    if not torch.compiler.is_exporting():  # a capture's fake tensors are no loss to keep
+    if _has_values(x) and not torch.compiler.is_exporting():  # a capture's fake tensors are no loss to keep
         layer.aux_loss = layer.aux_loss_coef * routing.load_loss + layer.z_loss_coef * routing.z_loss
         layer.last_routing = routing
     return tokens, routing
@@ -240,6 +243,22 @@ def _dense(layer: MoE, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
     y = torch.einsum("enf,efd->end", _ACTIVATIONS[layer.activation](h), layer.w2)
     y = y + (layer.b2[:, None] if layer.b2 is not None else 0)
     return torch.einsum("ne,end->nd", dense.to(y.dtype), y)
+
+
+def _uniform(layer: MoE, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """A stand-in with data-independent shapes for profiling on fake tensors: each token's ``top_k`` copies
+    spread evenly over the experts, so the FLOPs (``4 N k d f`` forward) and activation sizes are a uniform
+    dropless routing's; the values are not the layer's (fake tensors have none)."""
+    n, k = tokens.shape[0], layer.top_k
+    q, r = divmod(n * k, layer.num_experts)
+    counts = [q + (i < r) for i in range(layer.num_experts)]
+    y = expert_ffn(tokens.repeat_interleave(k, 0), counts, layer.w1, layer.b1, layer.w2, layer.b2, layer.activation)
+    return (y.reshape(n, k, -1) * routing.gates.reshape(n, k, 1).to(y.dtype)).sum(1)
+
+
+def _has_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds real values (not a meta or fake tensor of a profile or a trace)."""
+    return not (x.is_meta or isinstance(x, FakeTensor))
 
 
 def combine(y: torch.Tensor, token: torch.Tensor, gate: torch.Tensor, num_tokens: int,
