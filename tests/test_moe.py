@@ -5,8 +5,9 @@ how rows are split), the losses (Switch eq. 4, ST-MoE z-loss), the layer against
 placement against brute force (worst ratio to optimum printed; goal exactly 1.0), the plan's printout and the
 plan-time errors. Distributed (gloo): expert-parallel training against a one-process ``deepcopy`` after 3 AdamW
 steps, fp32 rtol 1e-5 / atol 1e-6, the aux and z losses in the loss: dropless top-2 with uneven rows at world 2,
-dropping top-1 with uneven expert counts at world 4 (the same tokens dropped as in the reference), nested data
-parallelism (2 replicas x split 2) with dropping top-2, and the MoE in the second stage of a 2 x 2 pipeline.
+dropping top-1 with uneven expert counts and gradient clipping at world 4 (the same tokens dropped as in the
+reference), nested data parallelism (2 replicas x split 2) with dropping top-2 and ZeRO-3, the MoE in the second
+stage of a 2 x 2 pipeline, and a checkpoint loaded under other expert counts.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ def _check(results, drops=False):
 
 
 @pytest.mark.parametrize("world,spec", [
-    (2, {"batch": 6, "shares": (2, 1), "experts": 4, "top_k": 2}),  # dropless, uneven rows
+    (2, {"batch": 6, "shares": (2, 1), "experts": 4, "top_k": 2, "zero": 1}),  # dropless, uneven rows, ZeRO-1
     (4, {"batch": 8, "shares": (1, 3, 2, 2), "experts": 7, "shard_weights": (3, 1, 2, 1), "cf": 1.0,
          "top_k": 1, "mb": 2, "clip": 0.05}),  # dropping, uneven expert counts 3/1/2/1, 2 micro-batches, clipped
 ])
@@ -279,7 +280,8 @@ def test_expert_parallel_matches_one_process(world, spec):
 
 
 def test_expert_parallel_with_nested_data_parallelism():
-    spec = {"batch": 8, "shares": (1, 3, 2, 2), "experts": 5, "shard_weights": (2, 1), "count": 2, "cf": 0.8}
+    spec = {"batch": 8, "shares": (1, 3, 2, 2), "experts": 5, "shard_weights": (2, 1), "count": 2, "cf": 0.8,
+            "zero": 3}  # ZeRO-3 over the 4 lanes shards the non-expert parameters
     results = run_ranks(compare, 4, spec)
     r0 = _check(results, drops=True)
     plan = wh.Plan.from_json(r0["plan"])
