@@ -23,6 +23,7 @@ from whale.config import Config, ConfigError, LossScale
 from whale.frontend import plan_model
 from whale.frontend.graph import StageError
 from whale.loss import SumOverCount, token_cross_entropy
+from whale.moe import MoE, moe_aux_loss
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import ScheduleError, make_schedule
 from whale.splitrules import SplitError, register_split_rule
@@ -39,10 +40,11 @@ _LAZY = {
 
 __all__ = [
     "AnnotationError", "BatchError", "CheckpointError", "Config", "ConfigError", "Context",
-    "EmulatedOutOfMemoryError", "Engine", "LossScale", "OptimizerError", "Plan", "PlanError", "PlanSampler",
+    "EmulatedOutOfMemoryError", "Engine", "LossScale", "MoE", "OptimizerError", "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
-    "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "parallelize",
-    "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split", "token_cross_entropy",
+    "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
+    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
+    "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

@@ -27,6 +27,8 @@ from whale.frontend.profile import default_units
 from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.memory.checkpointing import resolve_targets
+from whale.moe import check_aux_stages, with_moe_layers
+from whale.plan.experts import expert_memory_counts
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.memory import MemoryOptions
 from whale.plan.plan import Plan
@@ -127,18 +129,23 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
     # naming the module, its type, the dim cut and its size, and the device count; see whale.splitrules).
     check_split_plan(model, plan)
+    plan = with_moe_layers(model, plan)
+    check_aux_stages(model, plan)  # an MoE auxiliary loss outside the last stage would be silently dropped
     plan = _with_checkpointing(model, plan, config)
     if sample_batch is not None:
         plan.micro_batch_rows(hwplan.sample_rows(sample_batch))  # the plan can run batches of this size
     if not aware:
         return plan, stages
+    capacity = [memory_capacity(cluster, r) for r in range(world_size)]
     if prof is None:
         plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
-        return with_zero_weights(plan, [memory_capacity(cluster, r) for r in range(world_size)]), stages
-    params = hwplan.stage_param_names(plan.stage_cuts, model)
-    plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
-    return _fit(model, plan, cluster, config, memplan.stage_memories(prof, model, params, plan.activation_checkpoint),
-                hwplan.sample_rows(sample_batch)), stages
+        plan = with_zero_weights(plan, capacity)
+    else:
+        params = hwplan.stage_param_names(plan.stage_cuts, model)
+        plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
+        plan = _fit(model, plan, cluster, config, memplan.stage_memories(prof, model, params,
+                    plan.activation_checkpoint), hwplan.sample_rows(sample_batch))
+    return expert_memory_counts(plan, capacity), stages  # experts per device within memory (MoE under split)
 
 
 def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:

@@ -65,8 +65,13 @@ def colocated_names(model: nn.Module, tg_scopes: list[Scope], scopes: dict[str, 
 
 
 def split_leaves(model: nn.Module, scopes: dict[str, Scope]) -> tuple[str, ...]:
-    """Modules under ``split`` (compressed), kept as single calls when the model is traced."""
-    return compress_names({n for n, sc in scopes.items() if sc.kind == "split"}, list(all_tensors(model)))
+    """Modules kept as single calls when the model is traced: those under ``split`` (compressed), then MoE
+    layers outside them (``is_moe``, :class:`whale.MoE`: their routing depends on values, which ``torch.fx``
+    cannot follow)."""
+    split = compress_names({n for n, sc in scopes.items() if sc.kind == "split"}, list(all_tensors(model)))
+    moe = [n for n, m in model.named_modules() if n and getattr(m, "is_moe", False)
+           and not any(n == s or n.startswith(s + ".") for s in split)]
+    return split + tuple(moe)
 
 
 def _nested(scope: Scope, names: set[str], scopes: dict[str, Scope], all_names: list[str]) -> tuple:

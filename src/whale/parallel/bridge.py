@@ -24,6 +24,9 @@ data-parallel share, possibly uneven); a split part needs every row of the group
 - **out** (split -> replicate): each rank keeps its own rows of every output tensor with the group's rows (dim
   0 == their sum; a tuple's other entries, e.g. ``None``, pass as they are). Backward: all-gather of the row
   gradients, ``n x max(rows) x m' x itemsize``.
+- **none** around a sharded module that routes its own rows (``keeps_rows = True``: an expert-parallel MoE
+  layer, :mod:`whale.parallel.moe`, whose tokens travel by all-to-all): each rank passes its rows in and gets
+  their outputs back.
 - **elided**: with a group of one rank (the module is not sharded at all), and at the model's end when the
   split part yields class-sharded logits (a lone column-sharded ``nn.Linear``): they go straight to the loss as
   :class:`ShardedLogits` over all the group's rows (the loss then averages over those rows; no scatter).
@@ -153,6 +156,7 @@ class SplitRegion(nn.Module):
         self.group = group
         self.rows: list[int] | None = None
         self.sharded_output = isinstance(sharded, ColumnParallelLinear) and not sharded.gather_output
+        self.keeps_rows = bool(getattr(sharded, "keeps_rows", False))
 
     def set_rows(self, rows: list[int]) -> None:
         """Rows of the current micro-batch held by each rank of the group (group-rank order)."""
@@ -162,6 +166,8 @@ class SplitRegion(nn.Module):
         """This rank's rows ``[b_r, ...]`` (in every argument holding them, see the module docstring) -> the
         sharded module's output for this rank's rows (or :class:`ShardedLogits` over all the group's rows when
         the module is a class-sharded head)."""
+        if self.keeps_rows:  # routes this rank's own rows itself (expert parallelism, whale.parallel.moe)
+            return self.sharded(*args, **kwargs)
         if self.rows is None:
             raise RuntimeError("SplitRegion.set_rows was not called: the split runtime sets row counts per step")
         local, total = self.rows[dist.get_rank(self.group)], sum(self.rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+import whale.parallel.moe  # noqa: F401 - registers the expert-parallel rule for whale.MoE
 from whale.parallel.bridge import SplitRegion
 from whale.parallel.split import SplitError, shard_module
 from whale.parallel.split_state import shard_ties
@@ -19,7 +20,9 @@ class SplitRuntime:
         module: the stage module with every split module replaced by a :class:`SplitRegion` (the region itself
             when the whole model is split).
         regions: the installed regions (empty when the stage has no split or its width is 1).
-        params: ``id`` of every sharded parameter (their gradients sum over shard replicas, not lanes).
+        params: ``id`` of every sharded parameter (their gradients sum over shard replicas, not lanes); a split
+            module's data-parallel parameters (an MoE router: its module sets ``data_parallel = True``) are not
+            in it, so they are summed over lanes.
         origins: ``id`` of each sharded parameter -> the full parameter of the model it was cut from (an
             optimizer's param groups name the full ones).
         sharded_loss: the model ends in class-sharded logits: the loss covers every row of the split group.
@@ -36,7 +39,10 @@ class SplitRuntime:
             with shard_ties(self.module, plan) as ties:  # a weight tied inside the split stays one parameter
                 self._install(plan, stage, group)
             ties.check(self.module)
-        self.params = {id(p) for r in self.regions for p in r.parameters()}
+        # data-parallel parameters of a split module (an MoE router) are reduced over lanes like replicate ones
+        dp = {id(p) for r in self.regions for m in r.modules() if getattr(m, "data_parallel", False)
+              for p in m.parameters()}
+        self.params = {id(p) for r in self.regions for p in r.parameters()} - dp
         self.sharded_loss = any(r.sharded_output for r in self.regions)
 
     def _install(self, plan: Plan, stage: int, group) -> None:

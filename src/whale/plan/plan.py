@@ -118,6 +118,25 @@ class SharedParam(_Checked):
 
 
 @dataclass(frozen=True)
+class MoELayer(_Checked):
+    """A Mixture-of-Experts layer (:class:`whale.MoE`) under ``split``: expert parallelism over the split group.
+    Its experts per device are ``whale.plan.experts.expert_counts(num_experts, shard weights of its split)``,
+    derived from the plan, never stored twice.
+
+    Attributes:
+        module: the layer's FQN (a split target of some stage).
+        num_experts: E.
+        top_k: experts per token.
+        expert_params: parameter elements of one expert (what each expert a device holds adds).
+    """
+
+    module: str
+    num_experts: int
+    top_k: int = 1
+    expert_params: int = 0
+
+
+@dataclass(frozen=True)
 class StageCut(_Checked):
     """What one pipeline stage runs, by name, in the model's ``torch.fx`` trace (with the plan's
     ``leaf_modules`` traced as single calls).
@@ -192,6 +211,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
             (:mod:`whale.memory.checkpointing`); none nested in another, none overlapping a split module.
+        moe_layers: the MoE layers under split (expert parallelism), for the printout's experts per device.
         predicted_memory: per rank, the planner's predicted peak device bytes (parameters, gradients, optimizer
             state unless offloaded, and activations in flight; empty when the model was not profiled).
         offload: what each rank keeps in host memory with the optimizer step on the host (ZeRO-Offload):
@@ -224,6 +244,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     activation_checkpoint: tuple[str, ...] = ()
     predicted_memory: tuple[float, ...] = ()
     offload: OffloadName = "none"
+    moe_layers: tuple[MoELayer, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -327,6 +348,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
                 "shard_weights": _POS},
     SharedParam: {"names": _seq(_STR, "names", least=1), "stages": _seq(_int(0), "stages", least=2)},
     CaptureInput: {"name": _STR, "dtype": _STR, "shape": _seq(_int(0), "sizes"), "constant": _STR},
+    MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1), "expert_params": _int(0)},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
            "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
@@ -338,5 +360,5 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
            "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
            "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG,
-           "offload": _choice(OFFLOADS)},
+           "offload": _choice(OFFLOADS), "moe_layers": _seq(_node(MoELayer), "MoELayer objects")},
 }

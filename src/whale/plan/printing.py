@@ -78,6 +78,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("(the hardware-aware planner re-cut the stages by device speed and memory; the annotations "
                      "fixed the stage count)")
     lines.extend(_shard_rows(plan))
+    lines.extend(_expert_rows(plan))
     lines.extend(_lane_rows(plan))
     lines.extend(_zero_rows(plan))
     if plan.stage_cuts:
@@ -151,6 +152,27 @@ def _shard_rows(plan: Plan) -> list[str]:
             if len(weights) > 1:
                 tot = sum(weights)
                 rows.append(f"{what} shard shares: " + "  ".join(f"{w / tot:.1%}" for w in weights))
+    return rows
+
+
+def _expert_rows(plan: Plan) -> list[str]:
+    """Per MoE layer under split: experts per device of its split group (from the shard weights, as the runtime
+    cuts them: :func:`whale.plan.experts.expert_counts`)."""
+    from whale.plan.experts import expert_counts
+
+    rows = []
+    for layer in plan.moe_layers:
+        weights = next((w for s in range(plan.num_stages) for name, w in plan.split_targets(s)
+                        if name == layer.module), ())
+        stage = next(s for s in range(plan.num_stages) if layer.module in dict(plan.split_targets(s)))
+        n = plan.stage_width if plan.uniform_width else 1
+        counts = expert_counts(layer.num_experts, list(weights) or [1.0] * n)
+        how = "hardware-aware" if len(set(weights)) > 1 else "equal"
+        ranks = [plan.rank_of(stage, j) for j in range(n)]
+        where = [f"{c} (rank {r}{' ' + plan.devices[r] if plan.devices else ''})" for c, r in zip(counts, ranks,
+                                                                                                  strict=True)]
+        rows += _wrapped(f"MoE {layer.module!r}: {layer.num_experts} experts, top-{layer.top_k}, expert parallel over "
+                         f"{n} device(s) per split group; experts per device ({how}): ", where)
     return rows
 
 
