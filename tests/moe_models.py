@@ -59,32 +59,41 @@ def compare(rank, world, spec):
 
     ctx = wh.init(wh.Config(num_micro_batch=spec.get("mb", 1), load_shares=spec.get("shares"), seed=0,
                             zero=spec.get("zero", 0), capture="export" if spec.get("export") else "fx",
-                            max_grad_norm=spec.get("clip")))
+                            max_grad_norm=spec.get("clip"), precision=spec.get("precision", "fp32")))
     net = PipeMoENet if spec.get("pipe") else MoENet
     model = net(spec.get("experts", 4), spec.get("top_k", 2), spec.get("cf"), spec.get("count"))
+    if spec.get("frozen"):  # a frozen non-expert parameter: no gradient, no sync, no update
+        model.inp.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
     data = batches(spec, spec.get("steps", 3))
     sample = data[0] if spec.get("export") else None
     plan = with_shard_weights(wh.plan_model(model, world, ctx.config, sample_batch=sample), spec.get("shard_weights"))
-    engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model),
-                            lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx, plan=plan)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt, ref_opt, sched, ref_sched = _optimizers(model, ref, spec)
+    engine = wh.parallelize(model, lambda out, y: F.mse_loss(out, y) + wh.moe_aux_loss(model), opt, ctx=ctx,
+                            plan=plan)
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=spec.get("precision") == "bf16")
     comm_bytes.clear()
     out = {"losses": [], "ref_losses": [], "keep": [], "ref_keep": [], "plan": plan.to_json(), "plan_text": str(plan)}
     for x, y in data:
         out["losses"].append(engine.step((x, y))["loss"])
         ref_opt.zero_grad()
-        loss = F.mse_loss(ref(x), y) + wh.moe_aux_loss(ref)
+        with autocast:
+            y_ref = ref(x)
+        loss = F.mse_loss(y_ref.float(), y) + wh.moe_aux_loss(ref)
         loss.backward()
         if spec.get("clip"):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), spec["clip"])
         ref_opt.step()
+        for s in (sched, ref_sched):
+            if s is not None:
+                s.step()
         out["ref_losses"].append(loss.item())
         region = _moe_region(engine)
         if region is not None:
             rows = plan.micro_batch_rows(len(x), engine.stage)[engine.lane][-1]  # the last micro-batch's rows
             out["keep"].append(region.sharded.last_routing.keep.tolist())
             out["ref_keep"].append(ref.moe.last_routing.keep[rows[0]:rows[1]].tolist())
+    out["lrs"] = [g["lr"] for g in ref_opt.param_groups] if sched is not None else None
     out["sizes"] = _moe_region(engine).sharded.sizes if _moe_region(engine) is not None else None
     out["bytes"] = dict(comm_bytes)
     state = engine.full_state_dict()
@@ -92,6 +101,27 @@ def compare(rank, world, spec):
         out["state"] = {k: v.tolist() for k, v in state.items()}
         out["ref_state"] = {k: v.tolist() for k, v in ref.state_dict().items()}
     return out
+
+
+def _optimizers(model, ref, spec):
+    """The engine's optimizer (a factory, or with ``spec["groups"]`` the user's own AdamW instance with param
+    groups: experts, router and the rest at different LRs, biases without weight decay, and a LambdaLR
+    schedule) and the reference's twin; schedulers are ``None`` without groups."""
+    if not spec.get("groups"):
+        return (lambda ps: torch.optim.AdamW(ps, lr=1e-2)), torch.optim.AdamW(ref.parameters(), lr=1e-2), None, None
+
+    def groups(m):
+        named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+        experts = [p for n, p in named if n.startswith("moe.") and not n.startswith("moe.router")]
+        router = [p for n, p in named if n.startswith("moe.router")]
+        rest = [p for n, p in named if not n.startswith("moe.")]
+        return [{"params": experts, "lr": 2e-2}, {"params": router, "lr": 5e-3, "weight_decay": 0.0},
+                {"params": rest, "weight_decay": 0.05}]
+
+    opt, ref_opt = (torch.optim.AdamW(groups(m), lr=1e-2) for m in (model, ref))
+    warm = [lambda s: min(1.0, (s + 1) / 2), lambda s: 0.5 ** s, lambda s: 1.0]
+    sched, ref_sched = (torch.optim.lr_scheduler.LambdaLR(o, warm) for o in (opt, ref_opt))
+    return opt, ref_opt, sched, ref_sched
 
 
 def _moe_region(engine):

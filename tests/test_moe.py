@@ -6,7 +6,8 @@ placement against brute force (worst ratio to optimum printed; goal exactly 1.0)
 plan-time errors. Distributed (gloo): expert-parallel training against a one-process ``deepcopy`` after 3 AdamW
 steps, fp32 rtol 1e-5 / atol 1e-6, the aux and z losses in the loss: dropless top-2 with uneven rows at world 2,
 dropping top-1 with uneven expert counts and gradient clipping at world 4 (the same tokens dropped as in the
-reference), nested data parallelism (2 replicas x split 2) with dropping top-2 and ZeRO-3, the MoE in the second
+reference), the user's own AdamW instance with param groups and LR schedules plus a frozen parameter, bf16
+autocast (against one-process autocast, bf16 tolerance), nested data parallelism (2 replicas x split 2) with dropping top-2 and ZeRO-3, the MoE in the second
 stage of a 2 x 2 pipeline, and a checkpoint loaded under other expert counts.
 """
 
@@ -277,6 +278,25 @@ def test_expert_parallel_matches_one_process(world, spec):
     r0 = _check(run_ranks(compare, world, spec), drops="cf" in spec)
     assert r0["sizes"] == ([2, 2] if world == 2 else [3, 1, 2, 1])
     assert r0["bytes"]["alltoall"] > 0
+
+
+def test_expert_parallel_with_the_users_optimizer_groups_scheduler_and_a_frozen_parameter():
+    # the user's own AdamW instance: experts / router / rest at different LRs and weight decays, a LambdaLR per
+    # group; a frozen non-expert bias; dropping top-2 with uneven rows
+    spec = {"batch": 6, "shares": (1, 2), "experts": 5, "top_k": 2, "cf": 1.0, "groups": True, "frozen": True}
+    r0 = _check(run_ranks(compare, 2, spec), drops=True)
+    assert r0["lrs"] == pytest.approx([2e-2, 5e-3 * 0.125, 1e-2])  # after 3 scheduler steps
+    assert r0["state"]["inp.bias"] == r0["ref_state"]["inp.bias"]
+
+
+def test_expert_parallel_bf16_matches_one_process_autocast():
+    spec = {"batch": 6, "shares": (2, 1), "experts": 4, "top_k": 2, "precision": "bf16"}
+    results = run_ranks(compare, 2, spec)
+    r0 = results[0]
+    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(r0["ref_losses"]), rtol=2e-2, atol=1e-3)
+    for name, value in r0["ref_state"].items():
+        torch.testing.assert_close(torch.tensor(r0["state"][name]), torch.tensor(value), rtol=2e-2, atol=2e-3,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_expert_parallel_with_nested_data_parallelism():
