@@ -57,9 +57,9 @@ class StageCost:
         boundary_bytes: bytes per sample the stage sends to the next (activations; their gradients come back).
         trainable_elements: parameter elements with gradients (what is all-reduced and updated).
         recompute_per_row: forward seconds per sample of the checkpointable layers (activation checkpointing).
-        split_bytes: output bytes per sample of the stage's split (sharded) modules: each is gathered over the
-            split group in forward and reduce-scattered back in backward (one all-gather and one reduce-scatter
-            per split module and direction, Megatron-style column -> row sharding).
+        split_bytes, split_in_bytes: output / input bytes per sample summed over the stage's split (sharded)
+            modules (their collectives: :func:`whale.plan.cost.split_module_comm_time`).
+        split_modules: split modules in the stage (calls per micro-batch and direction).
     """
 
     fwd_per_row: float
@@ -72,6 +72,8 @@ class StageCost:
     trainable_elements: int = 0
     recompute_per_row: float = 0.0
     split_bytes: float = 0.0
+    split_in_bytes: float = 0.0
+    split_modules: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,32 +152,48 @@ def _rows(plan: Plan, global_batch: int) -> list[list[list[int]]]:
             for s in range(plan.num_stages)]
 
 
-def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration) -> None:
-    """Add a split stage's collectives (in place): per micro-batch and direction, one all-gather and one
-    reduce-scatter of the group's rows of ``split_bytes`` over the ``width`` lanes of each replica."""
+def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration,
+                    factor) -> None:
+    """Add a split stage's collectives (in place; :func:`whale.plan.cost.split_module_comm_time` per split
+    module, micro-batch and direction, over the ``width`` lanes of each replica). Under emulation they are
+    waits off the CPU inside a stretched segment, which :class:`whale.runtime.emulation.EmulatedDevice`
+    absorbs: the segment lasts ``max(stretched, CPU seconds + collectives)``."""
     n = plan.width_of(s)
-    if n < 2 or st.split_bytes <= 0:
+    if n < 2 or st.split_modules == 0:
         return
+    emulated = cluster is not None and cluster.emulate
     for lane in range(len(fwd)):
         first = lane - lane % n
-        bw, lat = link(cluster, calib, [plan.rank_of(s, j) for j in range(first, first + n)], "allreduce")
+        group = [plan.rank_of(s, j) for j in range(first, first + n)]
+        bw, lat = link(cluster, calib, group, "allreduce")
+        k = max(factor[r] for r in group)
         for mb in range(len(fwd[lane])):
-            size = st.split_bytes * sum(rows[j][mb] for j in range(first, first + n))
-            t = cost.ring_allgather_time(size, n, bw, lat) + cost.ring_reduce_scatter_time(size, n, bw, lat)
-            fwd[lane][mb] += t
-            bwd[lane][mb] += t
+            got = [rows[j][mb] for j in range(first, first + n)]
+            f, b = cost.split_module_comm_time(sum(got), max(got), st.split_in_bytes / st.split_modules,
+                                               st.split_bytes / st.split_modules, n, bw, lat)
+            for arr, t in ((fwd, f), (bwd, b)):
+                seg = arr[lane][mb]
+                arr[lane][mb] = max(seg, seg / k + st.split_modules * t) if emulated else \
+                    seg + st.split_modules * t
 
 
 def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibration,
                     checkpoint: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
-    speed factor ``factor`` (seconds there per measured second): ``factor x (segment overhead + the units'
-    overheads + rows x seconds per row)``, backward adding the recomputed forward under activation
-    checkpointing. The one home of the calibrated compute formula (:func:`predict`, the calibrated search
-    estimator :mod:`whale.plan.calibrated`)."""
+    speed factor ``factor`` (seconds there per measured second). X = the units' overheads + rows x seconds per
+    row (backward adding the recomputed forward under activation checkpointing); with the engine fit
+    (:class:`whale.plan.calibration.EngineTiming`) ``factor x engine CPU seconds(X) + micro-batch overhead / 2``
+    (the emulation stretches a segment's CPU seconds by its factor, :mod:`whale.runtime.emulation`), else
+    ``factor x (segment overhead + X)``. The one home of the calibrated compute formula (:func:`predict`, the
+    calibrated search estimator :mod:`whale.plan.calibrated`)."""
     extra = st.recompute_per_row if checkpoint else 0.0
-    return (factor * (calib.segment_overhead + st.fwd_overhead + rows * st.fwd_per_row),
-            factor * (calib.segment_overhead + st.bwd_overhead + rows * (st.bwd_per_row + extra)))
+    f = st.fwd_overhead + rows * st.fwd_per_row
+    b = st.bwd_overhead + rows * (st.bwd_per_row + extra)
+    if calib.engine is None:
+        return factor * (calib.segment_overhead + f), factor * (calib.segment_overhead + b)
+    f, b = calib.engine.segment(f, b, factor, st.split_modules)
+    half = calib.engine.micro_batch_overhead / 2
+    return factor * f + half, factor * b + half
 
 
 def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions,
@@ -191,7 +209,7 @@ def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibrati
             b_s.append([b for _, b in times])
         if any(tg.has_split for tg in plan.stage_task_graphs(s)):
             f_s, b_s = _lockstep(f_s, plan.width_of(s)), _lockstep(b_s, plan.width_of(s))
-            _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib)
+            _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib, factor)
         fwd.append(f_s)
         bwd.append(b_s)
     return fwd, bwd
