@@ -11,16 +11,19 @@ squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
 (:class:`whale.plan.calibration.EngineTiming`):
 
 - per direction, engine CPU seconds of a segment = ``scale x X + overhead``, X the isolated unit seconds of
-  the same segment (:func:`whale.frontend.simcost.model_costs`), over 1 rank x (2 widths x 3 micro-batch
-  counts), once without emulation waits (``hot_*``) and once stretched by :data:`STRETCH`;
+  the same segment (:func:`whale.frontend.simcost.model_costs`): the median ratio over 1-rank runs (2 widths
+  x 3 micro-batch counts), once without emulation waits (``hot_*``) and once stretched by :data:`STRETCH`;
+  and per model (:func:`calibrate_model`), the same ratios from the model's own 2-rank data-parallel runs,
+  which take precedence for that model (:meth:`whale.plan.calibration.Calibration.for_model`);
 - per micro-batch, the executor's time outside segments (``micro_batch_overhead``; a line in the micro-batch
   count, its intercept going to the per-step overhead);
-- per step, the time after the schedule = ``optimizer seconds per element x elements + step overhead``;
+- per step, the time after the schedule beyond the isolated optimizer step (``step_overhead``);
 - per split-module call, the extra CPU seconds of a 2-rank split run over the fit above (``split_*``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -34,6 +37,9 @@ from whale.plan.calibration import Calibration, EngineTiming
 
 STRETCH = 8.0
 """``1 + slowdown`` of the stretched calibration runs (the benchmark's emulated ranks run at 8-32)."""
+UNEQUAL = (STRETCH - 1, 1.5 * STRETCH - 1)
+"""Slowdowns of the 2-rank calibration runs: lanes of unequal speed (as V100 next to P100), so that the
+faster one waits inside its segments (split collectives) as on a mixed cluster."""
 WIDTHS, MICRO_BATCHES, SPLIT_MICRO_BATCHES = (64, 128), (1, 2, 8), (1, 2, 4)
 BATCH, SEQ, VOCAB = 16, 32, 512
 
@@ -80,28 +86,32 @@ def _sample(d: int, split: int = 0):
     return CalibrationNet(d, split=split), (x, x), token_cross_entropy()
 
 
-def _one_rank_plan(model: nn.Module, m: int):
-    """A 1-rank plan running every top-level module of ``model`` replicated (its annotations set aside), with
-    ``m`` micro-batches: how any model runs on one process for :func:`calibrate_model`."""
+def _replicated_plan(model: nn.Module, m: int, world: int):
+    """A data-parallel plan over ``world`` ranks running every top-level module of ``model`` replicated (its
+    annotations set aside), with ``m`` micro-batches: how any model runs for :func:`calibrate_model`."""
     from whale.plan.plan import Plan
 
     names = [n for n, _ in model.named_children()]
     return Plan.from_json(json.dumps({
-        "world_size": 1, "num_replicas": 1, "num_micro_batch": m, "schedule": "1F1B",
+        "world_size": world, "num_replicas": world, "num_micro_batch": m, "schedule": "1F1B",
         "task_graphs": [{"index": 0, "kind": "replicate", "device_count": 1, "modules": names, "nested": [],
                          "num_params": sum(p.numel() for p in model.parameters()), "shard_weights": []}]}))
 
 
-def _run(sample, m: int, slowdown: float, warmup: int, steps: int) -> dict:
+def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int) -> dict:
     """One engine run on this process group of ``sample`` (``(width, split)`` of a :class:`CalibrationNet`, or
-    a ``(model, batch, loss)`` run on one rank by :func:`_one_rank_plan`): medians of the segments' CPU seconds
+    a ``(model, batch, loss)`` run data-parallel by :func:`_replicated_plan`), this rank stretched by
+    ``1 + slowdowns[rank]``: medians of the segments' CPU seconds
     (the emulator's) and wall seconds per emulated second (``wall / (1 + slowdown)``: what the emulation made of
     them, wake-up delays included), of the time outside segments within the schedule (``gap``) and of the time
     after it (``post``)."""
+    import torch.distributed as dist
+
     import whale as wh
 
-    model, batch, loss = _sample(*sample) if isinstance(sample[0], int) else sample
-    plan = None if isinstance(sample[0], int) else _one_rank_plan(model, m)
+    slowdown = slowdowns[dist.get_rank()]
+    model, batch, loss = _sample(*sample) if isinstance(sample[0], int) else copy.deepcopy(sample)  # fresh
+    plan = None if isinstance(sample[0], int) else _replicated_plan(model, m, dist.get_world_size())
     ctx = wh.init(wh.Config(num_micro_batch=m, seed=0, track_memory=False))
     eng = wh.parallelize(model, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, plan=plan)
     eng.slowdown = slowdown
@@ -190,25 +200,30 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _fit_segments(runs: list[dict], iso: list[tuple]) -> dict:
-    """``hot_*`` (runs at slowdown 0) and stretched ``*_scale`` / ``*_overhead`` of :class:`EngineTiming`:
-    per direction, the line through (isolated seconds X, wall seconds per emulated second)."""
+    """``hot_*`` and stretched ``*_scale`` of :class:`EngineTiming` (``*_overhead`` left 0): per direction,
+    the median over runs of engine seconds / isolated seconds X. Hot (slowdown 0): CPU seconds (the wall
+    time of a loaded host is not modelled); stretched: wall seconds per emulated second. A median of ratios,
+    not a line: on a shared host, repeated runs scatter by +-25%, and an intercept fitted through them swings
+    the small micro-batches' predictions far more than the large ones'."""
     fits = {}
-    for name, hot in (("hot_", True), ("", False)):
+    for name, hot, kind in (("hot_", True, "cpu"), ("", False, "wall")):
         pts = [(x, r) for x, r in zip(iso, runs, strict=True) if (r["slowdown"] == 0) == hot]
-        fits[name + "fwd_scale"], fits[name + "fwd_overhead"] = _fit([(x[0], r["wall_f"]) for x, r in pts])
-        fits[name + "bwd_scale"], fits[name + "bwd_overhead"] = _fit([(x[1], r["wall_b"]) for x, r in pts])
+        fits[name + "fwd_scale"] = statistics.median(r[kind + "_f"] / x[0] for x, r in pts)
+        fits[name + "bwd_scale"] = statistics.median(r[kind + "_b"] / x[1] for x, r in pts)
     return fits
 
 
 def fit_engine(single: list[dict], split: list[dict], calib: Calibration) -> tuple[EngineTiming, dict]:
-    """The :class:`EngineTiming` and the calibration fields (``optimizer_seconds_per_element``,
-    ``step_overhead``, ``segment_overhead`` = 0) fitted on engine runs (``single``: 1-rank runs at slowdown 0
+    """The :class:`EngineTiming` and the calibration fields ``step_overhead`` (the time after the schedule
+    beyond the measured optimizer, plus the schedule's fixed time outside segments) and ``segment_overhead``
+    (0: in the fit) from engine runs (``single``: 1-rank runs at slowdown 0
     and ``STRETCH - 1``; ``split``: one rank's results of the 2-rank split runs, stretched). ``calib`` must
     hold the calibration models' unit timings."""
     fits = _fit_segments(single, [_isolated(r, calib) for r in single])
     cold = [r for r in single if r["slowdown"] > 0]
     per_mb, fixed = _fit([(r["m"], r["gap"]) for r in cold])
-    per_element, post = _fit([(r["elements"], r["post"]) for r in cold])
+    post = max(0.0, statistics.median(r["post"] - calib.optimizer_seconds_per_element * r["elements"]
+                                      for r in cold))
     eng = EngineTiming(**fits, micro_batch_overhead=per_mb, stretch=STRETCH)
     res_f, res_b = [], []
     for r in split:
@@ -219,8 +234,7 @@ def fit_engine(single: list[dict], split: list[dict], calib: Calibration) -> tup
     if split:
         eng = dataclasses.replace(eng, split_fwd=max(0.0, statistics.median(res_f)),
                                   split_bwd=max(0.0, statistics.median(res_b)))
-    return eng, {"optimizer_seconds_per_element": per_element, "step_overhead": post + fixed,
-                 "segment_overhead": 0.0}
+    return eng, {"step_overhead": post + fixed, "segment_overhead": 0.0}
 
 
 def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Calibration:
@@ -235,19 +249,20 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
         model, batch, loss = _sample(d, split)
         timings, _ = calibrate_units(model, batch, loss, known=calib.units)
         calib = calib.with_units(timings)
-    single = _spawn(1, [((d, 0), m, s, warmup, steps) for s in (0.0, STRETCH - 1) for d in WIDTHS
+    single = _spawn(1, [((d, 0), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d in WIDTHS
                         for m in MICRO_BATCHES])[0]
-    split = _spawn(2, [((WIDTHS[0], 2), m, STRETCH - 1, warmup, steps) for m in SPLIT_MICRO_BATCHES])[0]
+    split = [r for rank in _spawn(2, [((WIDTHS[0], 2), m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
+             for r in rank]
     eng, fields = fit_engine(single, split, calib)
     return dataclasses.replace(calib, engine=eng, **fields)
 
 
 def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, warmup: int = 3,
                     steps: int = 6) -> EngineTiming:
-    """The engine fit of ``model`` itself: its own 1-rank runs (every top-level module replicated,
-    :func:`_one_rank_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``, without waits
-    and stretched by :data:`STRETCH`, in one spawned process (the model, batch and loss are pickled); the
-    per-segment lines of :func:`_fit_segments` against the model's isolated unit seconds (``calib`` must hold
+    """The engine fit of ``model`` itself: its own 2-rank data-parallel runs (every top-level module
+    replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``,
+    without waits and twice stretched by :data:`UNEQUAL`, in two spawned processes (model, batch, loss
+    pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds (``calib`` must hold
     them), the rest (per micro-batch, split calls) from the machine's fit ``calib.engine``. A few seconds per
     model; nothing is saved here.
 
@@ -255,6 +270,8 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
     """
     sample = (model, sample_batch, loss_fn)
-    runs = _spawn(1, [(sample, m, s, warmup, steps) for s in (0.0, STRETCH - 1) for m in SPLIT_MICRO_BATCHES])[0]
+    got = _spawn(2, [(sample, m, s, warmup, steps) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
+                     for m in SPLIT_MICRO_BATCHES])
+    runs = [r for rank in got for r in rank]
     fits = _fit_segments(runs, [_isolated(r, calib, sample) for r in runs])
     return dataclasses.replace(calib.engine or EngineTiming(), **fits, stretch=STRETCH)

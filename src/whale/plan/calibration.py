@@ -109,7 +109,7 @@ class Calibration:
             (real clusters only; not measurable here).
         engine: the engine fit (:class:`EngineTiming`); ``None`` before it is measured (then segments cost
             their units' seconds plus ``segment_overhead``). With it, ``segment_overhead`` is 0 and
-            ``optimizer_seconds_per_element`` / ``step_overhead`` are the engine runs' fit too.
+            ``step_overhead`` is the engine runs' fit too.
         model_engines: per model signature (:func:`model_signature`), the engine fit of that model's own
             1-rank runs (:func:`whale.frontend.calibrate_engine.calibrate_model`); :meth:`for_model` puts it in
             place of ``engine``.
