@@ -55,20 +55,21 @@ class CalibrationNet(nn.Module):
 
         import whale as wh
 
-        def block():
+        def _block():
             return nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
 
         with wh.replicate(split) if split > 1 else contextlib.nullcontext():
             self.emb = nn.Embedding(vocab, d)
-            self.first = block()
+            self.first = _block()
             self.mlp = None
             if split > 1:
                 with wh.split(split):
                     self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-            self.rest = nn.ModuleList(block() for _ in range(layers - 1))
+            self.rest = nn.ModuleList(_block() for _ in range(layers - 1))
             self.head = nn.Linear(d, vocab)
 
     def forward(self, idx):
+        """``[B, T]`` int64 token ids -> ``[B, T, vocab]`` logits."""
         x = self.first(self.emb(idx))
         if self.mlp is not None:
             x = x + self.mlp(x)

@@ -9,15 +9,11 @@ forward/backward seconds of one micro-batch, per rank busy and idle seconds, com
 The step, as the runtime runs it:
 
 1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule.simulate_lanes`):
-   compute = (segment overhead + unit overheads + rows x seconds per row [+ recomputation under activation
-   checkpointing]) x the rank's speed factor (a split stage's lanes go at the pace of the slowest lane of their
-   replica: they meet in every split layer); transfers between stages = :func:`whale.plan.cost.p2p_time`;
-   ZeRO-3 all-gathers of the stage's parameters before every forward and backward;
-2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB first, then 25 MiB, as
-   :mod:`whale.parallel.data`) become ready in turn during each rank's last backward and are reduced one after
-   another once every lane has them (:func:`whale.plan.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
-3. the optimizer step on the rank's share of the state (after offload's device-to-host copies, on the host
-   under offload), then ZeRO's all-gather of the updated parameters.
+   compute = :func:`segment_seconds` (a split stage's lanes at the pace of their replica's slowest, plus its
+   collectives); transfers = :func:`whale.plan.cost.p2p_time`; ZeRO-3 all-gathers before every segment;
+2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB, then 25 MiB) ready in turn
+   and reduced in order (:func:`whale.plan.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
+3. the optimizer step on the rank's share (after offload's copies), then ZeRO's all-gather of the parameters.
 
 Speed factor of a rank (seconds there per measured second here): under emulation (``cluster.emulate``) what
 :mod:`whale.runtime.emulation` stretches compute to, ``max(1, world/cores) x s_max/s_i``; communication there is
@@ -154,38 +150,33 @@ def _rows(plan: Plan, global_batch: int) -> list[list[list[int]]]:
 
 def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration,
                     factor) -> None:
-    """Add a split stage's collectives (in place; :func:`whale.plan.cost.split_module_comm_time` per split
-    module, micro-batch and direction, over the ``width`` lanes of each replica). Under emulation they are
-    waits off the CPU inside a stretched segment, which :class:`whale.runtime.emulation.EmulatedDevice`
-    absorbs: the segment lasts ``max(stretched, CPU seconds + collectives)``."""
+    """Add a split stage's collectives in place (:func:`whale.plan.cost.split_module_comm_time` per split module,
+    micro-batch and direction, over each replica's ``width`` lanes). Under emulation they are waits off the CPU
+    that the stretch absorbs (:mod:`whale.runtime.emulation`): ``max(stretched, CPU seconds + collectives)``."""
     n = plan.width_of(s)
     if n < 2 or st.split_modules == 0:
         return
-    emulated = cluster is not None and cluster.emulate
+    emulated, calls = cluster is not None and cluster.emulate, st.split_modules
     for lane in range(len(fwd)):
-        first = lane - lane % n
-        group = [plan.rank_of(s, j) for j in range(first, first + n)]
+        group = [plan.rank_of(s, j) for j in range(lane - lane % n, lane - lane % n + n)]
         bw, lat = link(cluster, calib, group, "allreduce")
         k = max(factor[r] for r in group)
         for mb in range(len(fwd[lane])):
-            got = [rows[j][mb] for j in range(first, first + n)]
-            f, b = cost.split_module_comm_time(sum(got), max(got), st.split_in_bytes / st.split_modules,
-                                               st.split_bytes / st.split_modules, n, bw, lat)
-            for arr, t in ((fwd, f), (bwd, b)):
+            got = [rows[j][mb] for j in range(lane - lane % n, lane - lane % n + n)]
+            times = cost.split_module_comm_time(sum(got), max(got), st.split_in_bytes / calls,
+                                                st.split_bytes / calls, n, bw, lat)
+            for arr, t in zip((fwd, bwd), times, strict=True):
                 seg = arr[lane][mb]
-                arr[lane][mb] = max(seg, seg / k + st.split_modules * t) if emulated else \
-                    seg + st.split_modules * t
+                arr[lane][mb] = max(seg, seg / k + calls * t) if emulated else seg + calls * t
 
 
 def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibration,
                     checkpoint: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
     speed factor ``factor`` (seconds there per measured second). X = the units' overheads + rows x seconds per
-    row (backward adding the recomputed forward under activation checkpointing); with the engine fit
-    (:class:`whale.plan.calibration.EngineTiming`) ``factor x engine CPU seconds(X) + micro-batch overhead / 2``
-    (the emulation stretches a segment's CPU seconds by its factor, :mod:`whale.runtime.emulation`), else
-    ``factor x (segment overhead + X)``. The one home of the calibrated compute formula (:func:`predict`, the
-    calibrated search estimator :mod:`whale.plan.calibrated`)."""
+    row (+ the recomputed forward under activation checkpointing); ``factor x engine seconds(X) + micro-batch
+    overhead / 2`` with the engine fit (:class:`whale.plan.calibration.EngineTiming`), else ``factor x (segment
+    overhead + X)``. The one home of the calibrated compute formula (also :mod:`whale.plan.calibrated`)."""
     extra = st.recompute_per_row if checkpoint else 0.0
     f = st.fwd_overhead + rows * st.fwd_per_row
     b = st.bwd_overhead + rows * (st.bwd_per_row + extra)
