@@ -139,7 +139,7 @@ def _gpt_signature() -> str:
     from whale.plan.calibration import model_signature
 
     model, batch, loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
-    return model_signature(unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss))
+    return model_signature(unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True))
 
 
 def test_whale_simulate_prints_the_prediction_and_writes_a_timeline(tmp_path, monkeypatch, capsys):

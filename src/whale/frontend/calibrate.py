@@ -312,7 +312,7 @@ def _model_engine(calib: Calibration, model, sample_batch, loss_fn, keys, tracke
     if calib.for_model(sig) is not calib:
         return calib, False
     try:
-        fit = calibrate_model(model, sample_batch, loss_fn, calib)
+        fit = calibrate_model(model, sample_batch, loss_fn, calib, tracked)
     except Exception as exc:  # noqa: BLE001 - the machine's fit still predicts
         warnings.warn(f"no engine calibration of this model ({type(exc).__name__}: {exc}); the calibration "
                       f"models' fit is used", stacklevel=3)

@@ -99,10 +99,10 @@ def _replicated_plan(model: nn.Module, m: int, world: int):
                          "num_params": sum(p.numel() for p in model.parameters()), "shard_weights": []}]}))
 
 
-def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int) -> dict:
+def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int, tracked: bool = False) -> dict:
     """One engine run on this process group of ``sample`` (``(width, split)`` of a :class:`CalibrationNet`, or
     a ``(model, batch, loss)`` run data-parallel by :func:`_replicated_plan`), this rank stretched by
-    ``1 + slowdowns[rank]``: medians of the segments' CPU seconds
+    ``1 + slowdowns[rank]``, under the CPU memory tracker with ``tracked``: medians of the segments' CPU seconds
     (the emulator's) and wall seconds per emulated second (``wall / (1 + slowdown)``: what the emulation made of
     them, wake-up delays included), of the time outside segments within the schedule (``gap``) and of the time
     after it (``post``)."""
@@ -113,7 +113,7 @@ def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int) 
     slowdown = slowdowns[dist.get_rank()]
     model, batch, loss = _sample(*sample) if isinstance(sample[0], int) else copy.deepcopy(sample)  # fresh
     plan = None if isinstance(sample[0], int) else _replicated_plan(model, m, dist.get_world_size())
-    ctx = wh.init(wh.Config(num_micro_batch=m, seed=0, track_memory=False))
+    ctx = wh.init(wh.Config(num_micro_batch=m, seed=0, track_memory=tracked))
     eng = wh.parallelize(model, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, plan=plan)
     eng.slowdown = slowdown
     gap, post, wall = [], [], {"F": [], "B": []}
@@ -137,6 +137,8 @@ def _worker(rank: int, world: int, init_file: str, runs: list[tuple], queue) -> 
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
+    for name in ("WHALE_CLUSTER", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a training job's, when run from one
+        os.environ.pop(name, None)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -178,16 +180,17 @@ def _spawn(world: int, runs: list[tuple], timeout: float = 600.0) -> list[list[d
     return [got[r] for r in range(world)]
 
 
-def _isolated(res: dict, calib: Calibration, sample=None) -> tuple[float, float, int]:
+def _isolated(res: dict, calib: Calibration, sample=None, tracked: bool = False) -> tuple[float, float, int]:
     """``(X forward, X backward, split modules)``: the isolated unit seconds of one micro-batch of the run's
     (single-stage) plan on one lane, as :func:`whale.plan.simulate.segment_seconds` sums them; ``sample``: the
-    run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`)."""
+    run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
+    the memory tracker."""
     from whale.frontend.simcost import model_costs
     from whale.plan.plan import Plan
 
     model, batch, loss = sample or _sample(*res["sample"])
     plan = Plan.from_json(res["plan"])
-    st = model_costs(model, plan, batch, loss, calib)[0][0]
+    st = model_costs(model, plan, batch, loss, calib, tracked=tracked)[0][0]
     rows = len(batch[1]) / res["m"] / plan.lanes_of(0)
     return st.fwd_overhead + rows * st.fwd_per_row, st.bwd_overhead + rows * st.bwd_per_row, st.split_modules
 
@@ -258,21 +261,29 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
     return dataclasses.replace(calib, engine=eng, **fields)
 
 
-def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, warmup: int = 3,
-                    steps: int = 6) -> EngineTiming:
+def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, tracked: bool = False,
+                    warmup: int = 3, steps: int = 6) -> EngineTiming:
     """The engine fit of ``model`` itself: its own 2-rank data-parallel runs (every top-level module
     replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``,
     without waits and twice stretched by :data:`UNEQUAL`, in two spawned processes (model, batch, loss
-    pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds (``calib`` must hold
-    them), the rest (per micro-batch, split calls) from the machine's fit ``calib.engine``. A few seconds per
-    model; nothing is saved here.
+    pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds
+    (``calib`` must hold them), the rest (per micro-batch, split calls) from the machine's fit
+    ``calib.engine``. With ``tracked`` the runs and the unit timings are under the CPU memory tracker (as an
+    emulated run's). About 40 s per model on 2 cores; nothing is saved here.
 
     Raises:
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
+        ValueError: ``calib`` lacks some of the model's unit timings (calibrate them first).
     """
+    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.simcost import covers
+
+    if not covers(calib, unit_keys(model, sample_batch, None, loss_fn, tracked), loss_fn):
+        raise ValueError("the calibration lacks some of this model's unit timings; calibrate its units first "
+                         "(whale.frontend.calibrate.calibration)")
     sample = (model, sample_batch, loss_fn)
-    got = _spawn(2, [(sample, m, s, warmup, steps) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
+    got = _spawn(2, [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
                      for m in SPLIT_MICRO_BATCHES])
     runs = [r for rank in got for r in rank]
-    fits = _fit_segments(runs, [_isolated(r, calib, sample) for r in runs])
+    fits = _fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs])
     return dataclasses.replace(calib.engine or EngineTiming(), **fits, stretch=STRETCH)

@@ -186,10 +186,10 @@ def unit_key(module_type: type, param_elements: int, input_shapes: tuple) -> str
 
 def model_signature(keys: dict[str, str]) -> str:
     """A model's key in :attr:`Calibration.model_engines`: a hash of its units' calibration keys by name
-    (:func:`whale.frontend.calibrate.unit_keys`; the memory tracker's ``|tracked`` suffix dropped)."""
+    (:func:`whale.frontend.calibrate.unit_keys`; runs under the memory tracker have keys of their own)."""
     import hashlib
 
-    text = "\n".join(f"{n}={k.removesuffix('|tracked')}" for n, k in sorted(keys.items()))
+    text = "\n".join(f"{n}={k}" for n, k in sorted(keys.items()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
