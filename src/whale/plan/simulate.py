@@ -53,9 +53,8 @@ class StageCost:
         boundary_bytes: bytes per sample the stage sends to the next (activations; their gradients come back).
         trainable_elements: parameter elements with gradients (what is all-reduced and updated).
         recompute_per_row: forward seconds per sample of the checkpointable layers (activation checkpointing).
-        split_bytes, split_in_bytes: output / input bytes per sample summed over the stage's split (sharded)
-            modules (their collectives: :func:`whale.plan.cost.split_module_comm_time`).
-        split_modules: split modules in the stage (calls per micro-batch and direction).
+        split_bytes, split_in_bytes, split_modules: output / input bytes per sample summed over the stage's split
+            modules, and their count (:func:`whale.plan.cost.split_module_comm_time`, per micro-batch and way).
     """
 
     fwd_per_row: float
