@@ -3,7 +3,9 @@
 Every run trains a small model for a few steps on emulated ranks (CPU ranks imitating V100/P100; the compute
 is stretched to the declared speeds, the communication is real gloo on localhost) and takes the median over
 steps of the slowest rank's step time; the prediction is :func:`whale.frontend.simcost.predict_model` of the
-same plan with this machine's calibration (unit types timed once, cached; local gloo costs measured once).
+same plan with this machine's calibration (unit types timed once, cached; local gloo costs measured once; the
+engine fit of :mod:`whale.frontend.calibrate_engine` from the machine's calibration model and from each model's
+own 2-rank data-parallel runs, never from these runs).
 """
 
 from __future__ import annotations

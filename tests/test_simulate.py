@@ -10,7 +10,7 @@ import pytest
 
 from whale.cluster import ClusterSpec, from_device_types, get_device_type
 from whale.plan import cost
-from whale.plan.calibration import Calibration, UnitTiming, load, machine_key, save
+from whale.plan.calibration import Calibration, EngineTiming, UnitTiming, load, machine_key, save
 from whale.plan.plan import Plan, TaskGraph
 from whale.plan.schedule import bubble_fraction, make_schedule, simulate, simulate_lanes
 from whale.plan.simulate import StageCost, predict, speed_factors
@@ -131,11 +131,23 @@ def test_calibration_cache_round_trip(tmp_path):
         Calibration.from_dict({"bogus": 1})
 
 
+def _gpt_signature() -> str:
+    """The model signature of the CLI test's GPT (its engine fit is seeded: no processes are spawned)."""
+    from examples.gpt.model import for_plan
+    from whale.frontend import hwplan
+    from whale.frontend.calibrate import unit_keys
+    from whale.plan.calibration import model_signature
+
+    model, batch, loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
+    return model_signature(unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True))
+
+
 def test_whale_simulate_prints_the_prediction_and_writes_a_timeline(tmp_path, monkeypatch, capsys):
     from whale.cli import main
 
     path = tmp_path / "cal.json"
-    save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8), path)
+    save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8,
+                     engine=EngineTiming(fwd_scale=1.5), model_engines={_gpt_signature(): EngineTiming()}), path)
     monkeypatch.setenv("WHALE_CALIBRATION", str(path))
     png = tmp_path / "t.png"
     rc = main(["simulate", "--model", "examples.gpt.model:for_plan", "--world", "2", "--micro-batches", "2",

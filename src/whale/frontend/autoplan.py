@@ -145,6 +145,7 @@ def estimator(model: nn.Module, prof: ModelProfile, desc: ModelDesc, pool: Devic
         return default, "cost model: datasheet FLOP/s (this model's unit types are not calibrated yet)"
     dtype = "fp32" if config.precision == "fp32" else "bf16"
     factors = type_factors(pool, speed_factors(spec, calib, pool.size, emulation_cores(), dtype))
+    calib = calib.for_model(cal.model_signature(keys))
     est = CalibratedEstimator(desc, pool, batch, layer_timings(prof, keys, calib), calib, factors, spec.emulate)
     return est, "cost model: calibrated (measured unit seconds, " + ("emulated" if spec.emulate else "real") + \
         f" speed factors {[round(f, 3) for f in factors]})"

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from whale.frontend.hwplan import profile, sample_rows
 from whale.frontend.profile import ModelProfile, default_units
 from whale.plan import calibration as cal
-from whale.plan.calibration import Calibration, UnitTiming
+from whale.plan.calibration import ENGINE_VERSION, Calibration, UnitTiming
 
 
 def _cpu_seconds(fn, repeats: int) -> float:
@@ -273,7 +273,8 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
                 keys: dict[str, str] | None = None) -> Calibration:
     """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
     is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
-    communication costs (when ``comm``; spawns two processes once) and the optimizer. Saved back when
+    communication costs and the engine fit (when ``comm``; spawn processes once:
+    :func:`measure_comm`, :func:`whale.frontend.calibrate_engine.calibrate_engine`) and the optimizer. Saved back when
     ``save``. A few seconds the first time, nothing when cached. ``keys`` (:func:`unit_keys`): when every one
     is cached already, the model is not run at all."""
     key = cal.machine_key()
@@ -281,11 +282,39 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
     calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
     if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
         calib, changed = dataclasses.replace(calib, **measure_comm()), True
+    if comm and (calib.engine is None or calib.engine.version != ENGINE_VERSION):
+        from whale.frontend.calibrate_engine import calibrate_engine
+
+        calib, changed = calibrate_engine(calib), True
     missing = keys is None or any(k not in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn)
     if model is not None and sample_batch is not None and missing:
         timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
         if timings:
             calib, changed = calib.with_units(timings), True
+    if comm and model is not None and sample_batch is not None:
+        calib, measured = _model_engine(calib, model, sample_batch, loss_fn, keys, tracked)
+        changed = changed or measured
     if save and changed:
         cal.save(calib)
     return calib
+
+
+def _model_engine(calib: Calibration, model, sample_batch, loss_fn, keys, tracked) -> tuple[Calibration, bool]:
+    """``calib`` with ``model``'s own engine fit (:func:`whale.frontend.calibrate_engine.calibrate_model`)
+    when not cached yet, and whether it was measured. A model that cannot run on one spawned rank keeps the
+    machine's fit (a warning says so)."""
+    import warnings
+
+    from whale.frontend.calibrate_engine import calibrate_model
+
+    keys = keys or unit_keys(model, sample_batch, None, loss_fn, tracked)
+    sig = cal.model_signature(keys)
+    if calib.for_model(sig) is not calib:
+        return calib, False
+    try:
+        fit = calibrate_model(model, sample_batch, loss_fn, calib, tracked)
+    except Exception as exc:  # noqa: BLE001 - the machine's fit still predicts
+        warnings.warn(f"no engine calibration of this model ({type(exc).__name__}: {exc}); the calibration "
+                      f"models' fit is used", stacklevel=3)
+        return calib, False
+    return dataclasses.replace(calib, model_engines={**calib.model_engines, sig: fit}), True

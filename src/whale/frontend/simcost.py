@@ -13,7 +13,7 @@ from torch import nn
 from whale.cluster import ClusterSpec
 from whale.frontend import hwplan, memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
-from whale.plan.calibration import Calibration, UnitTiming
+from whale.plan.calibration import Calibration, UnitTiming, model_signature
 from whale.plan.plan import Plan
 from whale.plan.simulate import Prediction, StageCost, predict
 
@@ -76,9 +76,23 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
             trainable_elements=mems[s].trainable_elements,
             recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
                                   if memplan._inside(u.name, targets)),
-            split_bytes=sum(([u.output_bytes for u in real if memplan._inside(u.name, (t,))] or [0.0])[-1]
-                            for t in split)))  # each split module's output (its last unit's)
+            **_split_bytes(real, split)))
     return out
+
+
+def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:
+    """``split_bytes`` (each split module's output: its last unit's), ``split_in_bytes`` (its input: the output
+    of the unit before its first, else its own output) and ``split_modules`` of a stage's units."""
+    out_b = in_b = 0.0
+    count = 0
+    for t in split:
+        idx = [i for i, u in enumerate(real) if memplan._inside(u.name, (t,))]
+        if not idx:
+            continue
+        count += 1
+        out_b += real[idx[-1]].output_bytes
+        in_b += real[idx[0] - 1].output_bytes if idx[0] > 0 else real[idx[-1]].output_bytes
+    return {"split_bytes": out_b, "split_in_bytes": in_b, "split_modules": count}
 
 
 def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, cluster: ClusterSpec | None = None,
@@ -105,12 +119,14 @@ def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, clus
 def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
                 rows: int = 16, tracked: bool = False) -> tuple[list[StageCost], list, Calibration]:
     """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model``: profile once (fake tensors),
-    calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`)."""
+    calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`); the calibration
+    returned carries the model's own engine fit when measured (:meth:`Calibration.for_model`)."""
     from whale.frontend.calibrate import calibration, unit_keys
 
     prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn)
     keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
-    calib = calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys)
+    calib = (calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys)).for_model(
+        model_signature(keys))
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)

@@ -40,6 +40,58 @@ class UnitTiming:
     bwd_per_flop: float = 0.0
 
 
+ENGINE_VERSION = 1
+"""Version of the engine calibration's procedure (:mod:`whale.frontend.calibrate_engine`): a cached
+:class:`EngineTiming` of another version is measured again."""
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """How a stage's compute inside the real engine relates to its isolated unit timings (fitted on short
+    engine runs of calibration models on this machine, :mod:`whale.frontend.calibrate_engine`). Seconds.
+
+    Engine CPU seconds of one forward (backward) segment = ``scale x X + overhead``, X the summed isolated
+    unit seconds of :class:`UnitTiming`: ``scale`` takes in the runtime's hooks and, under emulation, the cold
+    caches a core meets after each emulation wait; ``overhead`` the fixed per-segment work. Two fits: ``hot_*``
+    from runs without waits, the plain ones from runs stretched by ``stretch`` (``1 + slowdown``); a rank of
+    speed factor f blends them by its waiting fraction ``1 - 1/f`` (:meth:`segment`). Outside the segments,
+    at real speed: ``micro_batch_overhead`` per micro-batch (executor bookkeeping, batch slicing).
+    A split (sharded) module adds ``split_fwd`` / ``split_bwd`` CPU seconds per call (its bridges'
+    and collectives' bookkeeping), fitted on a 2-rank split run.
+    """
+
+    fwd_scale: float = 1.0
+    bwd_scale: float = 1.0
+    fwd_overhead: float = 0.0
+    bwd_overhead: float = 0.0
+    hot_fwd_scale: float = 1.0
+    hot_bwd_scale: float = 1.0
+    hot_fwd_overhead: float = 0.0
+    hot_bwd_overhead: float = 0.0
+    micro_batch_overhead: float = 0.0
+    split_fwd: float = 0.0
+    split_bwd: float = 0.0
+    stretch: float = 8.0
+    version: int = ENGINE_VERSION
+
+    def weight(self, factor: float) -> float:
+        """Blend weight of the stretched fit for a rank of speed ``factor``: its waiting fraction
+        ``1 - 1/factor`` over the calibration runs' ``1 - 1/stretch``, in [0, 1] (0 at factor <= 1)."""
+        if factor <= 1.0:
+            return 0.0
+        return min(1.0, (1.0 - 1.0 / factor) / (1.0 - 1.0 / self.stretch))
+
+    def segment(self, fwd: float, bwd: float, factor: float, split_calls: int = 0) -> tuple[float, float]:
+        """Engine CPU seconds ``(forward, backward)`` of a segment whose units take ``fwd``/``bwd`` isolated
+        seconds, with ``split_calls`` split-module calls, on a rank of speed ``factor``."""
+        w = self.weight(factor)
+        mix = lambda hot, cold: hot + w * (cold - hot)  # noqa: E731
+        return (mix(self.hot_fwd_scale, self.fwd_scale) * fwd + mix(self.hot_fwd_overhead, self.fwd_overhead)
+                + split_calls * self.split_fwd,
+                mix(self.hot_bwd_scale, self.bwd_scale) * bwd + mix(self.hot_bwd_overhead, self.bwd_overhead)
+                + split_calls * self.split_bwd)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Everything the step-time model takes from measurement. Units: seconds, bytes/s.
@@ -55,6 +107,12 @@ class Calibration:
         step_overhead: seconds per step outside segments, communication and optimizer (bookkeeping).
         gpu_efficiency: achieved fraction of a real accelerator's peak assumed for the most efficient unit type
             (real clusters only; not measurable here).
+        engine: the engine fit (:class:`EngineTiming`); ``None`` before it is measured (then segments cost
+            their units' seconds plus ``segment_overhead``). With it, ``segment_overhead`` is 0 and
+            ``step_overhead`` is the engine runs' fit too.
+        model_engines: per model signature (:func:`model_signature`), the engine fit of that model's own
+            1-rank runs (:func:`whale.frontend.calibrate_engine.calibrate_model`); :meth:`for_model` puts it in
+            place of ``engine``.
     """
 
     key: str = ""
@@ -67,6 +125,8 @@ class Calibration:
     segment_overhead: float = 2e-4
     step_overhead: float = 1e-3
     gpu_efficiency: float = 0.5
+    engine: EngineTiming | None = None
+    model_engines: dict[str, EngineTiming] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (:meth:`from_dict` inverts it)."""
@@ -80,7 +140,18 @@ class Calibration:
         if bad:
             raise ValueError(f"unknown calibration field(s) {bad}; known: {sorted(known)}")
         units = {k: UnitTiming(**v) for k, v in data.get("units", {}).items()}
-        return cls(**{**data, "units": units})
+        engine = data.get("engine")
+        engine = EngineTiming(**engine) if isinstance(engine, dict) else engine
+        models = {k: EngineTiming(**v) for k, v in data.get("model_engines", {}).items()}
+        return cls(**{**data, "units": units, "engine": engine, "model_engines": models})
+
+    def for_model(self, signature: str) -> Calibration:
+        """This calibration with the model's own engine fit (``model_engines[signature]``, when measured and of
+        the current :data:`ENGINE_VERSION`) as ``engine``."""
+        fit = self.model_engines.get(signature)
+        if fit is None or fit.version != ENGINE_VERSION:
+            return self
+        return dataclasses.replace(self, engine=fit)
 
     def with_units(self, units: dict[str, UnitTiming]) -> Calibration:
         """A copy with ``units`` added (replacing entries of the same key)."""
@@ -111,6 +182,15 @@ def unit_key(module_type: type, param_elements: int, input_shapes: tuple) -> str
     (batch dim dropped), e.g. ``"examples.gpt.model.Block|198272|(128, 128)"``: units of one type and shape
     (a transformer's blocks) share one entry."""
     return f"{module_type.__module__}.{module_type.__qualname__}|{param_elements}|{input_shapes}"
+
+
+def model_signature(keys: dict[str, str]) -> str:
+    """A model's key in :attr:`Calibration.model_engines`: a hash of its units' calibration keys by name
+    (:func:`whale.frontend.calibrate.unit_keys`; runs under the memory tracker have keys of their own)."""
+    import hashlib
+
+    text = "\n".join(f"{n}={k}" for n, k in sorted(keys.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def cache_path() -> Path:

@@ -143,3 +143,26 @@ def offload_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float
     """Seconds to move ``nbytes`` bytes between device and host memory over a ``bandwidth`` (bytes/s) link
     (PCIe for a GPU): the same form as :func:`p2p_time`. Raises ValueError like it."""
     return p2p_time(nbytes, bandwidth, latency)
+
+
+def split_module_comm_time(group_rows: float, max_rows: float, in_bytes: float, out_bytes: float, n: int,
+                           bandwidth: float, latency: float = 0.0) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of the collectives of one split (sharded) module call, Megatron-style
+    column -> row sharding behind Whale's bridges (:mod:`whale.parallel.bridge`, :mod:`whale.parallel.split_ops`),
+    over a split group of ``n`` ranks holding ``group_rows`` rows in all (at most ``max_rows`` on one rank):
+
+    - forward: the bridge-in all-gather of the rows (``n x max_rows x in_bytes``, padded to equal sizes) and the
+      row-parallel layer's all-reduce of the output (``group_rows x out_bytes``);
+    - backward: the bridge-out all-gather of the output's row gradients (``n x max_rows x out_bytes``) and the
+      column-parallel layer's all-reduce of the input gradient (``group_rows x in_bytes``).
+
+    ``in_bytes``/``out_bytes``: bytes per sample of the module's input / output. 0 for ``n = 1`` (elided).
+    Raises ValueError like :func:`ring_allreduce_time`.
+    """
+    if n == 1:
+        return 0.0, 0.0
+    fwd = ring_allgather_time(n * max_rows * in_bytes, n, bandwidth, latency) + \
+        ring_allreduce_time(group_rows * out_bytes, n, bandwidth, latency)
+    bwd = ring_allgather_time(n * max_rows * out_bytes, n, bandwidth, latency) + \
+        ring_allreduce_time(group_rows * in_bytes, n, bandwidth, latency)
+    return fwd, bwd

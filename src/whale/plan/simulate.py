@@ -9,15 +9,11 @@ forward/backward seconds of one micro-batch, per rank busy and idle seconds, com
 The step, as the runtime runs it:
 
 1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule.simulate_lanes`):
-   compute = (segment overhead + unit overheads + rows x seconds per row [+ recomputation under activation
-   checkpointing]) x the rank's speed factor (a split stage's lanes go at the pace of the slowest lane of their
-   replica: they meet in every split layer); transfers between stages = :func:`whale.plan.cost.p2p_time`;
-   ZeRO-3 all-gathers of the stage's parameters before every forward and backward;
-2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB first, then 25 MiB, as
-   :mod:`whale.parallel.data`) become ready in turn during each rank's last backward and are reduced one after
-   another once every lane has them (:func:`whale.plan.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
-3. the optimizer step on the rank's share of the state (after offload's device-to-host copies, on the host
-   under offload), then ZeRO's all-gather of the updated parameters.
+   compute = :func:`segment_seconds` (a split stage's lanes at the pace of their replica's slowest, plus its
+   collectives); transfers = :func:`whale.plan.cost.p2p_time`; ZeRO-3 all-gathers before every segment;
+2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB, then 25 MiB) ready in turn
+   and reduced in order (:func:`whale.plan.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
+3. the optimizer step on the rank's share (after offload's copies), then ZeRO's all-gather of the parameters.
 
 Speed factor of a rank (seconds there per measured second here): under emulation (``cluster.emulate``) what
 :mod:`whale.runtime.emulation` stretches compute to, ``max(1, world/cores) x s_max/s_i``; communication there is
@@ -57,9 +53,8 @@ class StageCost:
         boundary_bytes: bytes per sample the stage sends to the next (activations; their gradients come back).
         trainable_elements: parameter elements with gradients (what is all-reduced and updated).
         recompute_per_row: forward seconds per sample of the checkpointable layers (activation checkpointing).
-        split_bytes: output bytes per sample of the stage's split (sharded) modules: each is gathered over the
-            split group in forward and reduce-scattered back in backward (one all-gather and one reduce-scatter
-            per split module and direction, Megatron-style column -> row sharding).
+        split_bytes, split_in_bytes, split_modules: output / input bytes per sample summed over the stage's split
+            modules, and their count (:func:`whale.plan.cost.split_module_comm_time`, per micro-batch and way).
     """
 
     fwd_per_row: float
@@ -72,6 +67,8 @@ class StageCost:
     trainable_elements: int = 0
     recompute_per_row: float = 0.0
     split_bytes: float = 0.0
+    split_in_bytes: float = 0.0
+    split_modules: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,32 +147,43 @@ def _rows(plan: Plan, global_batch: int) -> list[list[list[int]]]:
             for s in range(plan.num_stages)]
 
 
-def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration) -> None:
-    """Add a split stage's collectives (in place): per micro-batch and direction, one all-gather and one
-    reduce-scatter of the group's rows of ``split_bytes`` over the ``width`` lanes of each replica."""
+def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration,
+                    factor) -> None:
+    """Add a split stage's collectives in place (:func:`whale.plan.cost.split_module_comm_time` per split module,
+    micro-batch and direction, over each replica's ``width`` lanes). Under emulation they are waits off the CPU
+    that the stretch absorbs (:mod:`whale.runtime.emulation`): ``max(stretched, CPU seconds + collectives)``."""
     n = plan.width_of(s)
-    if n < 2 or st.split_bytes <= 0:
+    if n < 2 or st.split_modules == 0:
         return
+    emulated, calls = cluster is not None and cluster.emulate, st.split_modules
     for lane in range(len(fwd)):
-        first = lane - lane % n
-        bw, lat = link(cluster, calib, [plan.rank_of(s, j) for j in range(first, first + n)], "allreduce")
+        group = [plan.rank_of(s, j) for j in range(lane - lane % n, lane - lane % n + n)]
+        bw, lat = link(cluster, calib, group, "allreduce")
+        k = max(factor[r] for r in group)
         for mb in range(len(fwd[lane])):
-            size = st.split_bytes * sum(rows[j][mb] for j in range(first, first + n))
-            t = cost.ring_allgather_time(size, n, bw, lat) + cost.ring_reduce_scatter_time(size, n, bw, lat)
-            fwd[lane][mb] += t
-            bwd[lane][mb] += t
+            got = [rows[j][mb] for j in range(lane - lane % n, lane - lane % n + n)]
+            times = cost.split_module_comm_time(sum(got), max(got), st.split_in_bytes / calls,
+                                                st.split_bytes / calls, n, bw, lat)
+            for arr, t in zip((fwd, bwd), times, strict=True):
+                seg = arr[lane][mb]
+                arr[lane][mb] = max(seg, seg / k + calls * t) if emulated else seg + calls * t
 
 
 def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibration,
                     checkpoint: bool = False) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
-    speed factor ``factor`` (seconds there per measured second): ``factor x (segment overhead + the units'
-    overheads + rows x seconds per row)``, backward adding the recomputed forward under activation
-    checkpointing. The one home of the calibrated compute formula (:func:`predict`, the calibrated search
-    estimator :mod:`whale.plan.calibrated`)."""
+    speed factor ``factor`` (seconds there per measured second). X = the units' overheads + rows x seconds per
+    row (+ the recomputed forward under activation checkpointing); ``factor x engine seconds(X) + micro-batch
+    overhead / 2`` with the engine fit (:class:`whale.plan.calibration.EngineTiming`), else ``factor x (segment
+    overhead + X)``. The one home of the calibrated compute formula (also :mod:`whale.plan.calibrated`)."""
     extra = st.recompute_per_row if checkpoint else 0.0
-    return (factor * (calib.segment_overhead + st.fwd_overhead + rows * st.fwd_per_row),
-            factor * (calib.segment_overhead + st.bwd_overhead + rows * (st.bwd_per_row + extra)))
+    f = st.fwd_overhead + rows * st.fwd_per_row
+    b = st.bwd_overhead + rows * (st.bwd_per_row + extra)
+    if calib.engine is None:
+        return factor * (calib.segment_overhead + f), factor * (calib.segment_overhead + b)
+    f, b = calib.engine.segment(f, b, factor, st.split_modules)
+    half = calib.engine.micro_batch_overhead / 2
+    return factor * f + half, factor * b + half
 
 
 def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions,
@@ -191,7 +199,7 @@ def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibrati
             b_s.append([b for _, b in times])
         if any(tg.has_split for tg in plan.stage_task_graphs(s)):
             f_s, b_s = _lockstep(f_s, plan.width_of(s)), _lockstep(b_s, plan.width_of(s))
-            _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib)
+            _add_split_comm(plan, s, st, rows[s], f_s, b_s, cluster, calib, factor)
         fwd.append(f_s)
         bwd.append(b_s)
     return fwd, bwd

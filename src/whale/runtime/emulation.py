@@ -161,6 +161,11 @@ class EmulatedDevice:
         for _, fn in pending:
             fn()
 
+    def segment_cpu_seconds(self) -> dict:
+        """Per segment key, the median CPU seconds of its kept segments (what :meth:`wait` stretches): the
+        engine's own compute timings, read by the engine calibration (:mod:`whale.frontend.calibrate_engine`)."""
+        return {key: statistics.median(hist) for key, hist in self._history.items()}
+
     def wait(self, key, wall0: float, cpu0: float, cpu_seconds: float) -> float:
         """Sleep until the emulated end of a segment begun at wall time ``wall0`` and CPU time ``cpu0`` that took
         ``cpu_seconds`` of CPU, running deferred work at its emulated times. Returns the seconds slept."""

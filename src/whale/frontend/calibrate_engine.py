@@ -1,0 +1,289 @@
+"""Calibrate what the engine really costs: short real runs of the engine on calibration models (issue 13).
+
+Unit types timed in isolation (:mod:`whale.frontend.calibrate`) miss what a step inside the engine adds: the
+runtime's hooks and bookkeeping per segment, and under emulation the cold caches a core meets after every
+emulation wait (a segment's CPU seconds in a stretched run measure 1.4-2x the same work timed back to back).
+:func:`calibrate_engine` runs the real engine (:func:`whale.parallelize`) in spawned processes on calibration
+models of its own (:class:`CalibrationNet`: an embedding, ``nn.TransformerEncoderLayer`` blocks, a head; never
+the model being predicted), reads the engine's own per-segment CPU seconds (the emulator's,
+:meth:`whale.runtime.emulation.EmulatedDevice.segment_cpu_seconds`) and per-step times, and fits by least
+squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
+(:class:`whale.plan.calibration.EngineTiming`):
+
+- per direction, engine CPU seconds of a segment = ``scale x X + overhead``, X the isolated unit seconds of
+  the same segment (:func:`whale.frontend.simcost.model_costs`): the median ratio over 1-rank runs (2 widths
+  x 3 micro-batch counts), once without emulation waits (``hot_*``) and once stretched by :data:`STRETCH`;
+  and per model (:func:`calibrate_model`), the same ratios from the model's own 2-rank data-parallel runs,
+  which take precedence for that model (:meth:`whale.plan.calibration.Calibration.for_model`);
+- per micro-batch, the executor's time outside segments (``micro_batch_overhead``; a line in the micro-batch
+  count, its intercept going to the per-step overhead);
+- per step, the time after the schedule beyond the isolated optimizer step (``step_overhead``);
+- per split-module call, the extra CPU seconds of a 2-rank split run over the fit above (``split_*``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+from torch import nn
+
+from whale.plan.calibration import Calibration, EngineTiming
+
+STRETCH = 8.0
+"""``1 + slowdown`` of the stretched calibration runs (the benchmark's emulated ranks run at 8-32)."""
+UNEQUAL = (STRETCH - 1, 1.5 * STRETCH - 1)
+"""Slowdowns of the 2-rank calibration runs: lanes of unequal speed (as V100 next to P100), so that the
+faster one waits inside its segments (split collectives) as on a mixed cluster."""
+WIDTHS, MICRO_BATCHES, SPLIT_MICRO_BATCHES = (64, 128), (1, 2, 8), (1, 2, 4)
+BATCH, SEQ, VOCAB = 16, 32, 512
+
+
+class CalibrationNet(nn.Module):
+    """The engine calibration's model: ``[B, T]`` token ids -> ``[B, T, vocab]`` logits through an embedding,
+    ``layers`` ``nn.TransformerEncoderLayer`` (width ``d``, 4 heads, MLP 4d) and a head; with ``split`` > 1 an
+    MLP between the blocks is split over ``split`` ranks (the rest replicated over them)."""
+
+    def __init__(self, d: int, layers: int = 2, split: int = 0, vocab: int = VOCAB) -> None:
+        super().__init__()
+        import contextlib
+
+        import whale as wh
+
+        def _block():
+            return nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+
+        with wh.replicate(split) if split > 1 else contextlib.nullcontext():
+            self.emb = nn.Embedding(vocab, d)
+            self.first = _block()
+            self.mlp = None
+            if split > 1:
+                with wh.split(split):
+                    self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            self.rest = nn.ModuleList(_block() for _ in range(layers - 1))
+            self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        """``[B, T]`` int64 token ids -> ``[B, T, vocab]`` logits."""
+        x = self.first(self.emb(idx))
+        if self.mlp is not None:
+            x = x + self.mlp(x)
+        for b in self.rest:
+            x = b(x)
+        return self.head(x)
+
+
+def _sample(d: int, split: int = 0):
+    """``(model, batch, loss)`` of a calibration run (same weights every time)."""
+    from whale.loss import token_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return CalibrationNet(d, split=split), (x, x), token_cross_entropy()
+
+
+def _replicated_plan(model: nn.Module, m: int, world: int):
+    """A data-parallel plan over ``world`` ranks running every top-level module of ``model`` replicated (its
+    annotations set aside), with ``m`` micro-batches: how any model runs for :func:`calibrate_model`."""
+    from whale.plan.plan import Plan
+
+    names = [n for n, _ in model.named_children()]
+    return Plan.from_json(json.dumps({
+        "world_size": world, "num_replicas": world, "num_micro_batch": m, "schedule": "1F1B",
+        "task_graphs": [{"index": 0, "kind": "replicate", "device_count": 1, "modules": names, "nested": [],
+                         "num_params": sum(p.numel() for p in model.parameters()), "shard_weights": []}]}))
+
+
+def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int, tracked: bool = False) -> dict:
+    """One engine run on this process group of ``sample`` (``(width, split)`` of a :class:`CalibrationNet`, or
+    a ``(model, batch, loss)`` run data-parallel by :func:`_replicated_plan`), this rank stretched by
+    ``1 + slowdowns[rank]``, under the CPU memory tracker with ``tracked``: medians of the segments' CPU seconds
+    (the emulator's) and wall seconds per emulated second (``wall / (1 + slowdown)``: what the emulation made of
+    them, wake-up delays included), of the time outside segments within the schedule (``gap``) and of the time
+    after it (``post``)."""
+    import torch.distributed as dist
+
+    import whale as wh
+
+    slowdown = slowdowns[dist.get_rank()]
+    model, batch, loss = _sample(*sample) if isinstance(sample[0], int) else copy.deepcopy(sample)  # fresh
+    plan = None if isinstance(sample[0], int) else _replicated_plan(model, m, dist.get_world_size())
+    ctx = wh.init(wh.Config(num_micro_batch=m, seed=0, track_memory=tracked))
+    eng = wh.parallelize(model, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, plan=plan)
+    eng.slowdown = slowdown
+    gap, post, wall = [], [], {"F": [], "B": []}
+    for i in range(warmup + steps):
+        r = eng.step(batch)
+        if i >= warmup:
+            gap.append(r["schedule_time"] - sum(c1 - c0 for _, _, c0, c1 in eng.last_timeline))
+            post.append(r["step_time"] - r["schedule_time"])
+            for label, _, c0, c1 in eng.last_timeline:
+                wall[label[0]].append((c1 - c0) / (1.0 + slowdown))
+    cpu = eng.executor.emulator.segment_cpu_seconds()
+    return {"sample": sample if isinstance(sample[0], int) else None, "m": m, "slowdown": slowdown,
+            "plan": eng.plan.to_json(), "wall_f": statistics.median(wall["F"]), "wall_b": statistics.median(wall["B"]),
+            "cpu_f": statistics.median(v for k, v in cpu.items() if k[0] == "F"),
+            "cpu_b": statistics.median(v for k, v in cpu.items() if k[0] == "B"),
+            "gap": statistics.median(gap), "post": statistics.median(post),
+            "elements": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+def _worker(rank: int, world: int, init_file: str, runs: list[tuple], queue) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    for name in ("WHALE_CLUSTER", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a training job's, when run from one
+        os.environ.pop(name, None)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        queue.put((rank, [_run(*r) for r in runs]))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, exc))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(world: int, runs: list[tuple], timeout: float = 600.0) -> list[list[dict]]:
+    """``runs`` (``_run``'s arguments) on ``world`` spawned gloo processes; per rank, the results.
+
+    Raises:
+        RuntimeError: a process failed or gave nothing within ``timeout`` seconds.
+    """
+    import queue as q
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("WHALE_SCRATCH")) as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), runs, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            got = dict(queue.get(timeout=timeout) for _ in range(world))
+        except q.Empty:
+            raise RuntimeError(f"engine calibration gave no result within {timeout:.0f} s") from None
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+    bad = [v for v in got.values() if isinstance(v, BaseException)]
+    if bad:
+        raise RuntimeError(f"engine calibration run failed: {bad[0]!r}") from bad[0]
+    return [got[r] for r in range(world)]
+
+
+def _isolated(res: dict, calib: Calibration, sample=None, tracked: bool = False) -> tuple[float, float, int]:
+    """``(X forward, X backward, split modules)``: the isolated unit seconds of one micro-batch of the run's
+    (single-stage) plan on one lane, as :func:`whale.plan.simulate.segment_seconds` sums them; ``sample``: the
+    run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
+    the memory tracker."""
+    from whale.frontend.simcost import model_costs
+    from whale.plan.plan import Plan
+
+    model, batch, loss = sample or _sample(*res["sample"])
+    plan = Plan.from_json(res["plan"])
+    st = model_costs(model, plan, batch, loss, calib, tracked=tracked)[0][0]
+    rows = len(batch[1]) / res["m"] / plan.lanes_of(0)
+    return st.fwd_overhead + rows * st.fwd_per_row, st.bwd_overhead + rows * st.bwd_per_row, st.split_modules
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(scale, overhead)`` of the least-squares line ``y = overhead + scale x`` (both >= 0)."""
+    from whale.frontend.calibrate import _line
+
+    overhead, scale = _line([x for x, _ in points], [y for _, y in points])
+    return scale, overhead
+
+
+def _fit_segments(runs: list[dict], iso: list[tuple]) -> dict:
+    """``hot_*`` and stretched ``*_scale`` of :class:`EngineTiming` (``*_overhead`` left 0): per direction,
+    the median over runs of engine seconds / isolated seconds X. Hot (slowdown 0): CPU seconds (the wall
+    time of a loaded host is not modelled); stretched: wall seconds per emulated second. A median of ratios,
+    not a line: on a shared host, repeated runs scatter by +-25%, and an intercept fitted through them swings
+    the small micro-batches' predictions far more than the large ones'."""
+    fits = {}
+    for name, hot, kind in (("hot_", True, "cpu"), ("", False, "wall")):
+        pts = [(x, r) for x, r in zip(iso, runs, strict=True) if (r["slowdown"] == 0) == hot]
+        fits[name + "fwd_scale"] = statistics.median(r[kind + "_f"] / x[0] for x, r in pts)
+        fits[name + "bwd_scale"] = statistics.median(r[kind + "_b"] / x[1] for x, r in pts)
+    return fits
+
+
+def fit_engine(single: list[dict], split: list[dict], calib: Calibration) -> tuple[EngineTiming, dict]:
+    """The :class:`EngineTiming` and the calibration fields ``step_overhead`` (the time after the schedule
+    beyond the measured optimizer, plus the schedule's fixed time outside segments) and ``segment_overhead``
+    (0: in the fit) from engine runs (``single``: 1-rank runs at slowdown 0
+    and ``STRETCH - 1``; ``split``: one rank's results of the 2-rank split runs, stretched). ``calib`` must
+    hold the calibration models' unit timings."""
+    fits = _fit_segments(single, [_isolated(r, calib) for r in single])
+    cold = [r for r in single if r["slowdown"] > 0]
+    per_mb, fixed = _fit([(r["m"], r["gap"]) for r in cold])
+    post = max(0.0, statistics.median(r["post"] - calib.optimizer_seconds_per_element * r["elements"]
+                                      for r in cold))
+    eng = EngineTiming(**fits, micro_batch_overhead=per_mb, stretch=STRETCH)
+    res_f, res_b = [], []
+    for r in split:
+        xf, xb, calls = _isolated(r, calib)
+        f, b = eng.segment(xf, xb, STRETCH)
+        res_f.append((r["wall_f"] - f) / max(1, calls))
+        res_b.append((r["wall_b"] - b) / max(1, calls))
+    if split:
+        eng = dataclasses.replace(eng, split_fwd=max(0.0, statistics.median(res_f)),
+                                  split_bwd=max(0.0, statistics.median(res_b)))
+    return eng, {"step_overhead": post + fixed, "segment_overhead": 0.0}
+
+
+def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Calibration:
+    """``calib`` with the machine's engine fit (:func:`fit_engine`) measured here: 1-rank runs of
+    :class:`CalibrationNet` (widths :data:`WIDTHS`, micro-batches :data:`MICRO_BATCHES`, without waits and
+    stretched by :data:`STRETCH`) in one spawned process, 2-rank split runs (:data:`SPLIT_MICRO_BATCHES`) in
+    two; the calibration models' unit types are timed too (:func:`whale.frontend.calibrate.calibrate_units`).
+    About a minute on 2 cores; nothing is saved here."""
+    from whale.frontend.calibrate import calibrate_units
+
+    for d, split in [(d, 0) for d in WIDTHS] + [(WIDTHS[0], 2)]:
+        model, batch, loss = _sample(d, split)
+        timings, _ = calibrate_units(model, batch, loss, known=calib.units)
+        calib = calib.with_units(timings)
+    single = _spawn(1, [((d, 0), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d in WIDTHS
+                        for m in MICRO_BATCHES])[0]
+    split = [r for rank in _spawn(2, [((WIDTHS[0], 2), m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
+             for r in rank]
+    eng, fields = fit_engine(single, split, calib)
+    return dataclasses.replace(calib, engine=eng, **fields)
+
+
+def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, tracked: bool = False,
+                    warmup: int = 3, steps: int = 6) -> EngineTiming:
+    """The engine fit of ``model`` itself: its own 2-rank data-parallel runs (every top-level module
+    replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``,
+    without waits and twice stretched by :data:`UNEQUAL`, in two spawned processes (model, batch, loss
+    pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds
+    (``calib`` must hold them), the rest (per micro-batch, split calls) from the machine's fit
+    ``calib.engine``. With ``tracked`` the runs and the unit timings are under the CPU memory tracker (as an
+    emulated run's). About 40 s per model on 2 cores; nothing is saved here.
+
+    Raises:
+        RuntimeError: the model cannot run (or be pickled) in the spawned process.
+        ValueError: ``calib`` lacks some of the model's unit timings (calibrate them first).
+    """
+    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.simcost import covers
+
+    if not covers(calib, unit_keys(model, sample_batch, None, loss_fn, tracked), loss_fn):
+        raise ValueError("the calibration lacks some of this model's unit timings; calibrate its units first "
+                         "(whale.frontend.calibrate.calibration)")
+    sample = (model, sample_batch, loss_fn)
+    got = _spawn(2, [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
+                     for m in SPLIT_MICRO_BATCHES])
+    runs = [r for rank in got for r in rank]
+    fits = _fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs])
+    return dataclasses.replace(calib.engine or EngineTiming(), **fits, stretch=STRETCH)
