@@ -41,11 +41,25 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
         from whale.frontend.simcost import predict_model
 
         pred = predict_model(model, engine.plan, (x, x), wh.token_cross_entropy(), engine.ctx.cluster,
-                             factors=factors, tracked=engine.memory.tracker is not None)
+                             factors=factors, tracked=engine.memory.tracker is not None,
+                             measure_engine=False)
     except Exception as exc:  # noqa: BLE001 - a report, not the job
         print(f"(no step-time prediction: {type(exc).__name__}: {exc})", flush=True)
         return None
-    return _print(engine, pred, bubble, state)
+    out = _print(engine, pred, bubble, state)
+    if not _engine_fitted():
+        print(" (no engine calibration cached on this machine: predicted from isolated unit timings, which "
+              "under-predict a real step; `whale simulate --model examples.gpt.model:for_plan ...` measures it "
+              "once, a few minutes, and later runs use it)", flush=True)
+    return out
+
+
+def _engine_fitted() -> bool:
+    """Whether this machine's cached calibration holds the engine fit (the job never measures it)."""
+    from whale.plan import calibration as cal
+
+    cached = cal.load(cal.machine_key())
+    return cached is not None and cached.engine is not None
 
 
 def _print(engine: wh.Engine, pred, bubble: list[dict], state: dict) -> dict:

@@ -270,19 +270,20 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
 
 def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None, rows: int = 16,
                 comm: bool = True, save: bool = True, tracked: bool = False,
-                keys: dict[str, str] | None = None) -> Calibration:
+                keys: dict[str, str] | None = None, measure_engine: bool = True) -> Calibration:
     """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
     is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
     communication costs and the engine fit (when ``comm``; spawn processes once:
     :func:`measure_comm`, :func:`whale.frontend.calibrate_engine.calibrate_engine`) and the optimizer. Saved back when
     ``save``. A few seconds the first time, nothing when cached. ``keys`` (:func:`unit_keys`): when every one
-    is cached already, the model is not run at all."""
+    is cached already, the model is not run at all. ``measure_engine=False``: the engine fits are used when
+    cached but never measured (they take minutes: a job's end-of-run report must not wait for them)."""
     key = cal.machine_key()
     cached = cal.load(key)
     calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
     if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
         calib, changed = dataclasses.replace(calib, **measure_comm()), True
-    if comm and (calib.engine is None or calib.engine.version != ENGINE_VERSION):
+    if comm and measure_engine and (calib.engine is None or calib.engine.version != ENGINE_VERSION):
         from whale.frontend.calibrate_engine import calibrate_engine
 
         calib, changed = calibrate_engine(calib), True
@@ -291,7 +292,7 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
         timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
         if timings:
             calib, changed = calib.with_units(timings), True
-    if comm and model is not None and sample_batch is not None:
+    if comm and measure_engine and model is not None and sample_batch is not None:
         calib, measured = _model_engine(calib, model, sample_batch, loss_fn, keys, tracked)
         changed = changed or measured
     if save and changed:

@@ -97,7 +97,8 @@ def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:
 
 def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, cluster: ClusterSpec | None = None,
                   calib: Calibration | None = None, rows: int = 16, cores: float | None = None,
-                  factors: list[float] | None = None, tracked: bool | None = None) -> Prediction:
+                  factors: list[float] | None = None, tracked: bool | None = None,
+                  measure_engine: bool = True) -> Prediction:
     """Predict ``plan``'s step for ``model`` at the sample batch's size: profile (fake tensors), calibrate the
     unit types not cached yet (:func:`whale.frontend.calibrate.calibration`; a few seconds once per machine and
     model shape), simulate (:func:`whale.plan.simulate.predict`) with per-rank memory.
@@ -107,17 +108,20 @@ def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, clus
         factors: per-rank speed factors overriding the cluster's (see :func:`whale.plan.simulate.predict`).
         tracked: the run measures memory with the CPU tracker (``Config.track_memory``; default: as the runtime's
             auto, on under an emulated cluster): units are timed under it too.
+        measure_engine: measure the engine fits when not cached (minutes, once per machine and model);
+            ``False`` uses them only when cached (see :func:`whale.frontend.calibrate.calibration`).
     """
     from whale.runtime.emulation import emulation_cores
 
     tracked = bool(cluster is not None and cluster.emulate) if tracked is None else tracked
-    costs, mems, calib = model_costs(model, plan, sample_batch, loss_fn, calib, rows, tracked)
+    costs, mems, calib = model_costs(model, plan, sample_batch, loss_fn, calib, rows, tracked, measure_engine)
     return predict(plan, costs, cluster, calib, hwplan.sample_rows(sample_batch), mems,
                    cores if cores is not None else emulation_cores(), factors)
 
 
 def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
-                rows: int = 16, tracked: bool = False) -> tuple[list[StageCost], list, Calibration]:
+                rows: int = 16, tracked: bool = False,
+                measure_engine: bool = True) -> tuple[list[StageCost], list, Calibration]:
     """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model``: profile once (fake tensors),
     calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`); the calibration
     returned carries the model's own engine fit when measured (:meth:`Calibration.for_model`)."""
@@ -125,7 +129,8 @@ def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib:
 
     prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn)
     keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
-    calib = (calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys)).for_model(
+    calib = (calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys,
+                                  measure_engine=measure_engine)).for_model(
         model_signature(keys))
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
