@@ -42,6 +42,7 @@ from examples.gpt.data import (  # noqa: E402
     load_tokens,
     prepare,
 )
+from examples.gpt.losses import loss_fn, moe_loss_fn  # noqa: E402,F401 (loss_fn: the job's loss, re-exported)
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.predicted import prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
@@ -105,6 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
       "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
+    a("--moe-experts", type=int, default=0, help="0: dense MLPs; N > 0: each block's MLP is a wh.MoE of N experts, "
+      "expert parallel over the devices of its pipeline stage (each stage then world/stages devices wide)")
+    a("--moe-top-k", type=int, default=2, help="experts per token (1 = Switch, 2 = GShard)")
+    a("--moe-d-ff", type=int, default=None, help="hidden width of each expert (default 4 x --n-embd, the dense MLP's)")
+    a("--moe-capacity-factor", type=float, default=None,
+      help="expert capacity per sample = ceil(factor x tokens x top_k / experts); default: dropless")
+    a("--moe-aux-coef", type=float, default=0.01, help="load-balancing loss weight (Switch); applied to the MoE "
+      "layers of the last pipeline stage only (the loss runs there; use --stages 1 to give every layer one)")
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -130,11 +139,6 @@ def lr_at(step: int, args: argparse.Namespace, horizon: dict | None = None) -> f
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-loss_fn = wh.token_cross_entropy()
-"""Next-token cross-entropy averaged over the target tokens of the whole global batch (logits [b, T, V],
-y [b, T]); ``ignore_index=-100`` targets (padding) would not count."""
-
-
 def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
     """Rank 0 fetches/tokenizes (cached) while the others wait; then everyone opens the cache.
 
@@ -154,16 +158,24 @@ def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
     return {k: Path(args.data_dir) / v for k, v in names.items()}
 
 
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The model sizes from the flags (``--moe-*``: MoE blocks)."""
+    return GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                     n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                     moe_d_ff=args.moe_d_ff, moe_capacity_factor=args.moe_capacity_factor,
+                     moe_aux_coef=args.moe_aux_coef)
+
+
 def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, wh.Engine]:
     """The model (annotated when ``--stages > 1``) and its engine on this rank. ``sample_batch`` lets the
     planner profile the model (fake tensors) for memory-aware shares and speed-balanced stage cuts."""
-    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    cfg = model_config(args)
     stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
-    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers)
+    width = None if not args.moe_experts or args.stages == 1 else max(1, ctx.world_size // args.stages)
+    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers, stage_width=width)
     n_params = model.num_params()
     engine = wh.parallelize(
-        model, loss_fn=loss_fn,
+        model, loss_fn=moe_loss_fn(model) if args.moe_experts else loss_fn,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                                                    betas=(0.9, 0.95)),
         sample_batch=sample_batch,
@@ -269,7 +281,7 @@ def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
 
 def sample(cfg: GPTConfig, full_state: dict, args: argparse.Namespace) -> str:
     """Rank 0: load the gathered weights into a plain GPT and generate text after ``--prompt``."""
-    model = GPT(cfg)
+    model = GPT(cfg)  # one process: an MoE model's experts all here (its wh.split only annotates)
     model.load_state_dict(full_state)
     tok = load_tokenizer(args.data_dir)
     idx = torch.tensor([tok.encode(args.prompt).ids], dtype=torch.long)  # [1, T0]
