@@ -77,17 +77,18 @@ def _moe_gpt_vs_one_process(rank, world):
     import torch
 
     import whale as wh
-    from examples.gpt.losses import moe_loss_fn
     from examples.gpt.model import GPT, GPTConfig
+    from examples.gpt.moe import moe_loss_fn
 
     ctx = wh.init(wh.Config(seed=0, num_micro_batch=2))
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, moe_experts=4, moe_top_k=2)
     model = GPT(cfg)
     ref = copy.deepcopy(model)
     data = [torch.randint(0, 64, (8, 9), generator=torch.Generator().manual_seed(0))] * 3
-    engine = wh.parallelize(model, moe_loss_fn(model), lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx,
+    engine = wh.parallelize(model, moe_loss_fn(model, wh.token_cross_entropy()),
+                            lambda ps: torch.optim.AdamW(ps, lr=1e-2), ctx=ctx,
                             sample_batch=(data[0][:, :-1], data[0][:, 1:]))
-    ref_opt, ref_loss = torch.optim.AdamW(ref.parameters(), lr=1e-2), moe_loss_fn(ref)
+    ref_opt, ref_loss = torch.optim.AdamW(ref.parameters(), lr=1e-2), moe_loss_fn(ref, wh.token_cross_entropy())
     losses, ref_losses = [], []
     for ids in data:
         x, y = ids[:, :-1], ids[:, 1:]

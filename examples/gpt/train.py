@@ -42,8 +42,8 @@ from examples.gpt.data import (  # noqa: E402
     load_tokens,
     prepare,
 )
-from examples.gpt.losses import loss_fn, moe_loss_fn  # noqa: E402,F401 (loss_fn: the job's loss, re-exported)
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.predicted import prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
@@ -106,14 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
       "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
-    a("--moe-experts", type=int, default=0, help="0: dense MLPs; N > 0: each block's MLP is a wh.MoE of N experts, "
-      "expert parallel over the devices of its pipeline stage (each stage then world/stages devices wide)")
-    a("--moe-top-k", type=int, default=2, help="experts per token (1 = Switch, 2 = GShard)")
-    a("--moe-d-ff", type=int, default=None, help="hidden width of each expert (default 4 x --n-embd, the dense MLP's)")
-    a("--moe-capacity-factor", type=float, default=None,
-      help="expert capacity per sample = ceil(factor x tokens x top_k / experts); default: dropless")
-    a("--moe-aux-coef", type=float, default=0.01, help="load-balancing loss weight (Switch); applied to the MoE "
-      "layers of the last pipeline stage only (the loss runs there; use --stages 1 to give every layer one)")
+    add_moe_args(p)
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -139,6 +132,11 @@ def lr_at(step: int, args: argparse.Namespace, horizon: dict | None = None) -> f
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+loss_fn = wh.token_cross_entropy()
+"""Next-token cross-entropy averaged over the target tokens of the whole global batch (logits [b, T, V],
+y [b, T]); ``ignore_index=-100`` targets (padding) would not count."""
+
+
 def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
     """Rank 0 fetches/tokenizes (cached) while the others wait; then everyone opens the cache.
 
@@ -158,14 +156,6 @@ def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
     return {k: Path(args.data_dir) / v for k, v in names.items()}
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The model sizes from the flags (``--moe-*``: MoE blocks)."""
-    return GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                     n_embd=args.n_embd, dropout=args.dropout, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                     moe_d_ff=args.moe_d_ff, moe_capacity_factor=args.moe_capacity_factor,
-                     moe_aux_coef=args.moe_aux_coef)
-
-
 def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, wh.Engine]:
     """The model (annotated when ``--stages > 1``) and its engine on this rank. ``sample_batch`` lets the
     planner profile the model (fake tensors) for memory-aware shares and speed-balanced stage cuts."""
@@ -175,7 +165,7 @@ def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, 
     model = GPT(cfg, stages=args.stages, stage_layers=stage_layers, stage_width=width)
     n_params = model.num_params()
     engine = wh.parallelize(
-        model, loss_fn=moe_loss_fn(model) if args.moe_experts else loss_fn,
+        model, loss_fn=moe_loss_fn(model, loss_fn) if args.moe_experts else loss_fn,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                                                    betas=(0.9, 0.95)),
         sample_batch=sample_batch,
