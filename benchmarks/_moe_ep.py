@@ -20,6 +20,7 @@ from torch import nn
 
 import whale as wh
 from benchmarks._hetero_common import emulation_setup, load_spec
+from whale.runtime.emulation import emulation_slowdown
 
 EXPERT_PARAMS = ("w1", "b1", "w2", "b2")
 
@@ -128,7 +129,11 @@ def _hetero_engines(ctx, cfg: dict, world: int) -> dict:
             plan = with_shard_weights(plan, [1.0] * world)
         engines[name] = wh.parallelize(model, _loss(model), lambda ps: torch.optim.SGD(ps, lr=0.0), ctx=ctx,
                                        plan=plan)
-    engines["uniform"].slowdown = engines["hardware-aware"].slowdown  # one emulated device per rank
+    # the declared speed ratio exactly (not calibrate()'s per-core probe: on a shared 2-core host its noise,
+    # 10-30% between runs, would move the emulated V100 / P100 ratio itself, and the ideal with it)
+    slowdown = emulation_slowdown(ctx.cluster, ctx.rank, world)
+    for engine in engines.values():
+        engine.slowdown = slowdown
     return engines
 
 
