@@ -24,12 +24,15 @@ Beyond the bytes of the token all-to-alls (:mod:`benchmarks._moe_ep` has the mod
   ``benchmarks/clusters/v100_p100_2.yaml``; each CPU rank's compute stretched to its device's speed,
   :mod:`whale.runtime.emulation`), one launch, the two engines stepped round by round in alternating order:
   uniform expert counts (the plan with equal split weights) vs the plan's hardware-aware counts. The model is 4
-  residual MoE layers (8 experts of ``256 -> 2048 -> 256``, top-1, dropless) and one output ``Linear`` (the
-  dense part is 0.2% of the parameters); the routers are set so that token t goes to expert ``t mod 8`` in
+  residual MoE layers (8 experts of ``256 -> 1024 -> 256``, top-1, dropless) and one output ``Linear`` (the
+  dense part is 0.4% of the parameters); the routers are set so that token t goes to expert ``t mod 8`` in
   every layer (a balanced router: an even load per expert, :func:`benchmarks._moe_ep.tag_router`) and the
   learning rate is 0 so it stays so. The emulated slowdowns are the declared speeds' (``emulation_slowdown``,
-  with ``WHALE_EMULATION_CORES=0.5``: every rank slowed 4x more, so that a busy host's preemptions stay inside
-  the emulated waits). Measured: the median over 11 rounds (after 3 warm-up) of the slowest rank's step, and
+  with ``WHALE_EMULATION_CORES=0.25``: every rank slowed 8x more, so that a busy host's preemptions stay
+  inside the emulated waits; ranks not pinned to cores). Under heavy host load the fastest device, which has
+  the least slack (its compute stretched the least), is the first whose real compute outlasts its emulated
+  time, and that biases the comparison against the hardware-aware counts, which make it the bottleneck.
+  Measured: the median over 11 rounds (after 3 warm-up) of the slowest rank's step, and
   the median of the per-round ratios. Ideal: ``max_i(u_i / s_i) / max_i(h_i / s_i)`` with u, h the experts per
   device (uniform, hardware-aware) and s the devices' fp32 FLOP/s: the ratio of the slowest device's expert
   time. Goal: measured >= 0.9 x ideal.
@@ -108,8 +111,8 @@ def _report(case: dict, results: list[dict]) -> dict:
 
 SYNC = dict(world=4, d=64, d_ff=256, experts=8, layers=2, batch=8, tokens=16, sync_steps=2,
             memory_experts=(8, 16, 32))
-HETERO = dict(world=2, cluster="v100_p100_2.yaml", d=256, d_ff=2048, experts=8, layers=4, batch=8, tokens=64,
-              warmup=3, rounds=11, emulation_cores=0.5, pin=True)
+HETERO = dict(world=2, cluster="v100_p100_2.yaml", d=256, d_ff=1024, experts=8, layers=4, batch=8, tokens=64,
+              warmup=3, rounds=11, emulation_cores=0.25, pin=False)
 
 
 def sync_report(res: list[dict]) -> dict:
