@@ -34,10 +34,18 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    moe_experts: int = 0  # 0: dense MLP; E > 0: each block's MLP is a wh.MoE of E experts
+    moe_top_k: int = 2
+    moe_d_ff: int | None = None  # each expert's hidden width (default 4 x n_embd, the dense MLP's)
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_coef: float = 0.01  # Switch load-balancing loss weight
+    moe_z_coef: float = 0.0  # router z-loss weight
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.moe_experts < 0:
+            raise ValueError(f"moe_experts={self.moe_experts} must be >= 0 (0 = dense MLP)")
 
 
 class CausalSelfAttention(nn.Module):
@@ -73,15 +81,30 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: [B, T, C] -> [B, T, C]."""
+def moe_mlp(cfg: GPTConfig, aux: bool = True, parallel: bool = True) -> nn.Module:
+    """A block's MoE feed-forward ``[B, T, C] -> [B, T, C]``: ``wh.MoE`` of ``cfg.moe_experts`` experts of
+    hidden width ``cfg.moe_d_ff`` (default 4C), built under ``wh.split()`` when ``parallel`` (expert parallelism
+    over the devices of the enclosing replicate scope, README "Mixture of Experts"); ``aux=False`` drops its
+    auxiliary-loss coefficients (a layer before the last pipeline stage, where the loss cannot reach them)."""
+    import whale as wh
 
-    def __init__(self, cfg: GPTConfig):
+    scope = wh.split() if parallel else contextlib.nullcontext()
+    with scope:
+        return wh.MoE(cfg.n_embd, cfg.moe_d_ff or 4 * cfg.n_embd, cfg.moe_experts, cfg.moe_top_k,
+                      cfg.moe_capacity_factor, aux_loss_coef=cfg.moe_aux_coef if aux else 0.0,
+                      z_loss_coef=cfg.moe_z_coef if aux else 0.0)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: [B, T, C] -> [B, T, C]; its MLP is an MoE when ``cfg.moe_experts``
+    (``moe_aux`` / ``moe_parallel``: see :func:`moe_mlp`)."""
+
+    def __init__(self, cfg: GPTConfig, moe_aux: bool = True, moe_parallel: bool = True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_mlp(cfg, moe_aux, moe_parallel) if cfg.moe_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -101,25 +124,32 @@ def stage_layer_counts(n_layer: int, stages: int, stage_layers: list[int] | None
     return uniform_partition(n_layer, stages)
 
 
-def _stage_scope(stages: int):
-    """``wh.replicate(1)`` for a pipeline stage, or no scope when the model is not pipelined."""
-    if stages == 1:
+def _stage_scope(stages: int, width: int | None = None, moe: bool = False):
+    """The scope a pipeline stage's blocks are built in: ``wh.replicate(width)`` (default 1 device per stage
+    and replica), or, not pipelined, none -- except for an MoE model, whose blocks then go in ``wh.replicate()``
+    (all devices) so that the MoE layers' nested ``wh.split()`` spreads the experts over them."""
+    if stages == 1 and width is None and not moe:
         return contextlib.nullcontext()
     import whale as wh
 
-    return wh.replicate(1)
+    return wh.replicate(width if width is not None or stages == 1 else 1)
 
 
 class GPT(nn.Module):
     """GPT decoder: ``forward(idx [B, T] int64) -> logits [B, T, vocab_size]``.
 
     Args:
-        cfg: model sizes.
+        cfg: model sizes (``cfg.moe_experts > 0``: MoE blocks, see :func:`moe_mlp`).
         stages: number of pipeline stages; > 1 builds the blocks in that many ``wh.replicate(1)`` scopes.
         stage_layers: optional explicit blocks per stage (e.g. ``[3, 1]``), summing to ``cfg.n_layer``.
+        stage_width: devices per stage (``wh.replicate(stage_width)`` per stage; default 1 per replica, or all
+            devices for one stage of an MoE model): expert parallelism runs over a stage's devices. MoE layers
+            before the last stage get no auxiliary loss (the loss runs on the last stage; Whale refuses one
+            there), so pipelined MoE models balance their earlier layers' load without it.
     """
 
-    def __init__(self, cfg: GPTConfig, stages: int = 1, stage_layers: list[int] | None = None):
+    def __init__(self, cfg: GPTConfig, stages: int = 1, stage_layers: list[int] | None = None,
+                 stage_width: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.stage_layers = stage_layer_counts(cfg.n_layer, stages, stage_layers)
@@ -127,16 +157,16 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         blocks: list[Block] = []
-        for count in self.stage_layers:
-            with _stage_scope(stages):
-                blocks.extend(Block(cfg) for _ in range(count))
+        for s, count in enumerate(self.stage_layers):
+            with _stage_scope(stages, stage_width, bool(cfg.moe_experts)):
+                blocks.extend(Block(cfg, moe_aux=s == stages - 1) for _ in range(count))
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
+            if name.endswith(("c_proj.weight", "mlp.w2")):  # GPT-2: scale residual projections by depth
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -147,6 +177,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        elif getattr(m, "is_moe", False):  # experts as the dense MLP: N(0, 0.02) weights, zero biases
+            for p in (m.w1, m.w2):
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            for p in (m.b1, m.b2):
+                nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: int64 [B, T] with T <= block_size -> logits float [B, T, vocab_size]."""

@@ -43,6 +43,7 @@ from examples.gpt.data import (  # noqa: E402
     prepare,
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
+from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.predicted import prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
@@ -105,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
       "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
+    add_moe_args(p)
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",
@@ -157,13 +159,13 @@ def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
 def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, wh.Engine]:
     """The model (annotated when ``--stages > 1``) and its engine on this rank. ``sample_batch`` lets the
     planner profile the model (fake tensors) for memory-aware shares and speed-balanced stage cuts."""
-    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    cfg = model_config(args)
     stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
-    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers)
+    width = None if not args.moe_experts or args.stages == 1 else max(1, ctx.world_size // args.stages)
+    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers, stage_width=width)
     n_params = model.num_params()
     engine = wh.parallelize(
-        model, loss_fn=loss_fn,
+        model, loss_fn=moe_loss_fn(model, loss_fn) if args.moe_experts else loss_fn,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                                                    betas=(0.9, 0.95)),
         sample_batch=sample_batch,
@@ -269,7 +271,7 @@ def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
 
 def sample(cfg: GPTConfig, full_state: dict, args: argparse.Namespace) -> str:
     """Rank 0: load the gathered weights into a plain GPT and generate text after ``--prompt``."""
-    model = GPT(cfg)
+    model = GPT(cfg)  # one process: an MoE model's experts all here (its wh.split only annotates)
     model.load_state_dict(full_state)
     tok = load_tokenizer(args.data_dir)
     idx = torch.tensor([tok.encode(args.prompt).ids], dtype=torch.long)  # [1, T0]

@@ -125,10 +125,35 @@ def _collapse(graph: fx.Graph, fqn: str, sig) -> None:
                 out.replace_all_uses_with(_path_get(call, graph, path))
     inside = [n for n in graph.nodes if any(p == fqn or p.startswith(fqn + ".")
                                             for p, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    kept = _shared_sizes(inside)
     for n in reversed(inside):
+        if n in kept:
+            continue
         if n.users:
             raise StageError(f"{fqn} cannot be kept as a single call: its value {n.name!r} is used outside it")
         graph.erase_node(n)
+
+
+def _shared_sizes(inside: list[fx.Node]) -> set[fx.Node]:
+    """The nodes of a collapsed module that stay in the graph: symbolic sizes (``SymInt`` arithmetic on the
+    sizes of tensors from outside the module) that export computed inside it and shares with later code, e.g.
+    ``batch * seq`` of a ``reshape(-1, d)`` reused by the next layer. Their inputs must come from outside or be
+    such sizes themselves; anything else used outside stays inside (and :func:`_collapse` refuses it)."""
+    members, kept = set(inside), set()
+    for n in reversed(inside):
+        used_outside = any(u not in members or u in kept for u in n.users)
+        if used_outside and isinstance(n.meta.get("val"), torch.SymInt):
+            kept.add(n)
+    todo = list(kept)
+    while todo:  # a kept size keeps the sizes it is computed from; one computed from a tensor inside cannot stay
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in members and a not in kept:
+                if not isinstance(a.meta.get("val"), torch.SymInt):
+                    return set()
+                kept.add(a)
+                todo.append(a)
+    return kept
 
 
 def _use_name(node: fx.Node, attr: fx.Node, tensors: dict) -> str:
