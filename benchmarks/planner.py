@@ -47,11 +47,11 @@ def main() -> None:
     if os.path.exists(args.out):
         with open(args.out) as f:
             out = json.load(f)  # keep the keys of parts skipped this time
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # parts write PNGs beside it
     for name, part in PARTS.items():
         if name in skip:
             continue
         out.update(part(args))
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)
         print(f"== {name}: written to {args.out}", flush=True)
