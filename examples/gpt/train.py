@@ -90,9 +90,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--prompt", default="Ham.\n", help="prompt for the generated sample")
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
-    a("--global-batches", action="store_true", help="give every rank the whole global batch (engine.step) "
-      "instead of its own rows (engine.step_local)")
+    a("--global-batches", action="store_true", help="every rank gets the global batch (engine.step), not its rows")
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
+    _memory_args(a)
+    add_moe_args(p)
+    a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
+    a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
+    a("--no-progress", action="store_true",
+      help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
+    return p.parse_args(argv)
+
+
+def _memory_args(a) -> None:
+    """The memory flags (recompute, ZeRO, offload, what the planner may not add); ``a`` is ``add_argument``."""
     a("--activation-checkpoint", nargs="?", const="all", default=None, metavar="WHAT",
       help="recompute activations in backward: 'all' (the default when given bare: every block), or a comma "
            "list of module types, FQN globs and TaskGraph indices, e.g. Block or blocks.0,blocks.1")
@@ -106,12 +116,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
       "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
-    add_moe_args(p)
-    a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
-    a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
-    a("--no-progress", action="store_true",
-      help="no progress bar, log lines every 25 steps instead (the default when stderr is not a terminal)")
-    return p.parse_args(argv)
 
 
 def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
