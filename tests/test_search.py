@@ -44,6 +44,19 @@ def _space(model, pool, batch, cons=None, est=None):
                                           [t.memory_bytes for t in pool.types], all_cuts_below=10**6))
 
 
+def brute_force_check(cands, est):
+    """Score every candidate (brute force) and search; asserts the search returns the brute-force optimum.
+    Returns ``(search's step seconds / the optimum's, [(seconds, candidate)] of those that fit, search result)``,
+    or ``None`` when no candidate fits."""
+    scored = [(e.step_seconds, c) for c in cands if (e := est(c)).fits]
+    if not scored:
+        return None
+    best_t, best_c = min(scored)
+    got = search(cands, est)
+    assert got.best.candidate == best_c
+    return got.best.estimate.step_seconds / best_t, scored, got
+
+
 def test_search_equals_brute_force_on_random_instances():
     rng = random.Random(13)
     worst, feasible, infeasible = 1.0, 0, 0
@@ -54,17 +67,16 @@ def test_search_equals_brute_force_on_random_instances():
             with pytest.raises(ValueError, match="space is empty"):
                 search(cands, est)
             continue
-        scored = [(e.step_seconds, c) for c in cands if (e := est(c)).fits]
-        if not scored:
+        checked = brute_force_check(cands, est)
+        if checked is None:
             infeasible += 1
             with pytest.raises(NoFeasiblePlanError):
                 search(cands, est)
             continue
         feasible += 1
+        ratio, scored, got = checked
+        worst = max(worst, ratio)
         best_t, best_c = min(scored)
-        got = search(cands, est)
-        worst = max(worst, got.best.estimate.step_seconds / best_t)
-        assert got.best.candidate == best_c
         plain = search(cands, lambda c, est=est: est(c))  # no bound, no monotone pruning: the generic path
         assert plain.best.candidate == best_c
         assert [r.estimate.step_seconds for r in plain.runner_ups] == sorted(t for t, _ in scored)[1:5]
