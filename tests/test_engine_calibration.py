@@ -4,6 +4,7 @@ and the split-module collectives (whale.plan.cost.split_module_comm_time). No pr
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -50,12 +51,36 @@ def test_split_module_comm_time_counts_two_collectives_per_direction():
                         + cost.ring_allreduce_time(16 * 100.0, 2, bw, lat))
 
 
-def test_fit_segments_takes_median_ratios():
+def test_relative_line_recovers_an_exact_line_and_weights_small_segments():
+    from whale.frontend.calibrate_engine import _relative_line
+
+    xs = [0.5, 1.0, 2.0, 8.0, 25.0]
+    assert _relative_line(xs, [1.0 + 1.2 * x for x in xs]) == pytest.approx((1.0, 1.2))
+    # one large segment 20% slow moves the intercept far less than least squares on absolute seconds would
+    ys = [1.0 + 1.2 * x for x in xs]
+    ys[-1] *= 1.2
+    overhead, scale = _relative_line(xs, ys)
+    assert abs(overhead - 1.0) < 0.25 and 1.2 < scale < 1.45
+    flat = (1 / 3 + 1 / 2) / (1 / 9 + 1 / 4)  # the weighted mean of y
+    assert _relative_line([1.0, 2.0], [3.0, 2.0]) == pytest.approx((flat, 0.0))  # falling: a flat line
+    assert _relative_line([1.0, 2.0], [1.0, 4.0])[0] == 0.0  # negative intercept: through 0
+    with pytest.raises(ValueError, match="y > 0"):
+        _relative_line([1.0, 2.0], [0.0, 1.0])
+
+
+def test_fit_segments_fits_lines_or_scales_with_given_intercepts():
     from whale.frontend.calibrate_engine import _fit_segments
 
-    runs = [{"slowdown": s, "cpu_f": 1.0 * k, "cpu_b": 2.0 * k, "wall_f": 1.5 * k, "wall_b": 3.3 * k}
-            for s in (0.0, 7.0) for k in (1.0, 2.0, 4.0)]
-    iso = [(k, 2.0 * k) for _ in (0, 1) for k in (1.0, 2.0, 4.0)]
+    ks = (0.5, 1.0, 2.0, 4.0)
+    runs = [{"slowdown": s, "cpu_f": 0.2 + 1.0 * k, "cpu_b": 2.0 * k, "wall_f": 1.0 + 1.5 * k, "wall_b": 3.3 * k}
+            for s in (0.0, 7.0) for k in ks]
+    iso = [(k, 2.0 * k) for _ in (0, 1) for k in ks]
     fits = _fit_segments(runs, iso)
-    assert fits == pytest.approx({"hot_fwd_scale": 1.0, "hot_bwd_scale": 1.0, "fwd_scale": 1.5,
-                                  "bwd_scale": 1.65})
+    assert fits == pytest.approx({"hot_fwd_scale": 1.0, "hot_fwd_overhead": 0.2, "hot_bwd_scale": 1.0,
+                                  "hot_bwd_overhead": 0.0, "fwd_scale": 1.5, "fwd_overhead": 1.0,
+                                  "bwd_scale": 1.65, "bwd_overhead": 0.0}, abs=1e-9)
+    # a model's own runs: only the scales, the machine's intercepts kept (median of (engine - overhead) / X)
+    fixed = {"hot_fwd_overhead": 0.2, "hot_bwd_overhead": 0.0, "fwd_overhead": 0.5, "bwd_overhead": 0.0}
+    mine = _fit_segments(runs, iso, fixed)
+    assert mine["fwd_overhead"] == 0.5 and mine["hot_fwd_scale"] == pytest.approx(1.0)
+    assert mine["fwd_scale"] == pytest.approx(statistics.median((1.0 + 1.5 * k - 0.5) / k for k in ks))

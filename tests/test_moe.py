@@ -7,8 +7,9 @@ plan-time errors. Distributed (gloo): expert-parallel training against a one-pro
 steps, fp32 rtol 1e-5 / atol 1e-6, the aux and z losses in the loss: dropless top-2 with uneven rows at world 2,
 dropping top-1 with uneven expert counts and gradient clipping at world 4 (the same tokens dropped as in the
 reference), the user's own AdamW instance with param groups and LR schedules plus a frozen parameter, bf16
-autocast (against one-process autocast, bf16 tolerance), nested data parallelism (2 replicas x split 2) with dropping top-2 and ZeRO-3, the MoE in the second
-stage of a 2 x 2 pipeline, and a checkpoint loaded under other expert counts.
+autocast (against one-process autocast, bf16 tolerance), nested data parallelism (2 replicas x split 2) with
+dropping top-2 and ZeRO-3, the MoE in the second stage of a 2 x 2 pipeline, and a checkpoint loaded under
+other expert counts.
 """
 
 from __future__ import annotations

@@ -11,10 +11,14 @@ squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
 (:class:`whale.plan.calibration.EngineTiming`):
 
 - per direction, engine CPU seconds of a segment = ``scale x X + overhead``, X the isolated unit seconds of
-  the same segment (:func:`whale.frontend.simcost.model_costs`): the median ratio over 1-rank runs (2 widths
-  x 3 micro-batch counts), once without emulation waits (``hot_*``) and once stretched by :data:`STRETCH`;
-  and per model (:func:`calibrate_model`), the same ratios from the model's own 2-rank data-parallel runs,
-  which take precedence for that model (:meth:`whale.plan.calibration.Calibration.for_model`);
+  the same segment (:func:`whale.frontend.simcost.model_costs`): a line through 1-rank runs whose segments
+  span 0.5-25 ms of X (:data:`SAMPLES` x :data:`MICRO_BATCHES`), once without emulation waits (``hot_*``) and
+  once stretched by :data:`STRETCH`. The intercept is the engine's fixed cost per segment, larger after an
+  emulation wait (a core woken from sleep runs its first ~millisecond slowly): about 1 ms here, which
+  dominates the small segments of deep pipelines with many micro-batches (a 4-stage GPT at 2 rows per
+  micro-batch: X 0.7 ms, engine 1.8-2.4 ms). Per model (:func:`calibrate_model`), the scales are refit from
+  the model's own 2-rank data-parallel runs with the machine's intercepts kept, and take precedence for that
+  model (:meth:`whale.plan.calibration.Calibration.for_model`);
 - per micro-batch, the executor's time outside segments (``micro_batch_overhead``; a line in the micro-batch
   count, its intercept going to the per-step overhead);
 - per step, the time after the schedule beyond the isolated optimizer step (``step_overhead``);
@@ -40,7 +44,9 @@ STRETCH = 8.0
 UNEQUAL = (STRETCH - 1, 1.5 * STRETCH - 1)
 """Slowdowns of the 2-rank calibration runs: lanes of unequal speed (as V100 next to P100), so that the
 faster one waits inside its segments (split collectives) as on a mixed cluster."""
-WIDTHS, MICRO_BATCHES, SPLIT_MICRO_BATCHES = (64, 128), (1, 2, 8), (1, 2, 4)
+SAMPLES = ((32, 1), (64, 2), (128, 2))
+"""``(width, layers)`` of the 1-rank calibration runs' :class:`CalibrationNet` models."""
+MICRO_BATCHES, SPLIT_MICRO_BATCHES = (1, 4, 16), (1, 2, 4)
 BATCH, SEQ, VOCAB = 16, 32, 512
 
 
@@ -78,13 +84,13 @@ class CalibrationNet(nn.Module):
         return self.head(x)
 
 
-def _sample(d: int, split: int = 0):
+def _sample(d: int, split: int = 0, layers: int = 2):
     """``(model, batch, loss)`` of a calibration run (same weights every time)."""
     from whale.loss import token_cross_entropy
 
     torch.manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return CalibrationNet(d, split=split), (x, x), token_cross_entropy()
+    return CalibrationNet(d, layers, split=split), (x, x), token_cross_entropy()
 
 
 def _replicated_plan(model: nn.Module, m: int, world: int):
@@ -203,17 +209,49 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return scale, overhead
 
 
-def _fit_segments(runs: list[dict], iso: list[tuple]) -> dict:
-    """``hot_*`` and stretched ``*_scale`` of :class:`EngineTiming` (``*_overhead`` left 0): per direction,
-    the median over runs of engine seconds / isolated seconds X. Hot (slowdown 0): CPU seconds (the wall
-    time of a loaded host is not modelled); stretched: wall seconds per emulated second. A median of ratios,
-    not a line: on a shared host, repeated runs scatter by +-25%, and an intercept fitted through them swings
-    the small micro-batches' predictions far more than the large ones'."""
+def _relative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``(overhead, scale)`` of the line ``y = overhead + scale x`` minimising the squared *relative* error
+    ``sum(((overhead + scale x - y) / y)^2)`` (weighted least squares, weights ``1/y^2``): every segment size
+    counts alike, so the small segments pin the intercept. Both clamped at 0 (refit through 0, or a flat line).
+
+    Raises:
+        ValueError: fewer than two points, or a ``y`` <= 0.
+    """
+    if len(xs) < 2 or min(ys) <= 0:
+        raise ValueError(f"a line needs >= 2 points with y > 0, got {len(xs)} points, min y {min(ys, default=0)}")
+    w = [1.0 / y**2 for y in ys]
+    total = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / total
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / total
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    scale = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx if sxx else 0.0
+    if scale <= 0:
+        return my, 0.0
+    if my - scale * mx < 0:
+        return 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True)) / sum(
+            wi * x * x for wi, x in zip(w, xs, strict=True))
+    return my - scale * mx, scale
+
+
+def _fit_segments(runs: list[dict], iso: list[tuple], overheads: dict | None = None) -> dict:
+    """``hot_*`` and stretched ``*_scale`` and ``*_overhead`` of :class:`EngineTiming`, per direction, from
+    runs and their isolated seconds X: a line of relative least squares (:func:`_relative_line`) through
+    (X, engine seconds); with ``overheads`` (the four ``*_overhead`` fields, the machine's fit) only the scale,
+    as the median of ``(engine - overhead) / X`` (one model's runs span too few segment sizes for an
+    intercept; a median, as repeated runs on a shared host scatter by +-25%). Hot (slowdown 0): CPU seconds
+    (the wall time of a loaded host is not modelled); stretched: wall seconds per emulated second."""
     fits = {}
     for name, hot, kind in (("hot_", True, "cpu"), ("", False, "wall")):
         pts = [(x, r) for x, r in zip(iso, runs, strict=True) if (r["slowdown"] == 0) == hot]
-        fits[name + "fwd_scale"] = statistics.median(r[kind + "_f"] / x[0] for x, r in pts)
-        fits[name + "bwd_scale"] = statistics.median(r[kind + "_b"] / x[1] for x, r in pts)
+        for i, d in ((0, "fwd"), (1, "bwd")):
+            xs, ys = [x[i] for x, _ in pts], [r[f"{kind}_{d[0]}"] for _, r in pts]
+            if overheads is None:
+                fits[f"{name}{d}_overhead"], fits[f"{name}{d}_scale"] = _relative_line(xs, ys)
+            else:
+                fixed = overheads[f"{name}{d}_overhead"]
+                fits[f"{name}{d}_overhead"] = fixed
+                ratios = [(y - fixed) / x for x, y in zip(xs, ys, strict=True)]
+                fits[f"{name}{d}_scale"] = max(0.0, statistics.median(ratios))
     return fits
 
 
@@ -243,19 +281,19 @@ def fit_engine(single: list[dict], split: list[dict], calib: Calibration) -> tup
 
 def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Calibration:
     """``calib`` with the machine's engine fit (:func:`fit_engine`) measured here: 1-rank runs of
-    :class:`CalibrationNet` (widths :data:`WIDTHS`, micro-batches :data:`MICRO_BATCHES`, without waits and
+    :class:`CalibrationNet` (:data:`SAMPLES`, micro-batches :data:`MICRO_BATCHES`, without waits and
     stretched by :data:`STRETCH`) in one spawned process, 2-rank split runs (:data:`SPLIT_MICRO_BATCHES`) in
     two; the calibration models' unit types are timed too (:func:`whale.frontend.calibrate.calibrate_units`).
     About a minute on 2 cores; nothing is saved here."""
     from whale.frontend.calibrate import calibrate_units
 
-    for d, split in [(d, 0) for d in WIDTHS] + [(WIDTHS[0], 2)]:
-        model, batch, loss = _sample(d, split)
+    for sample in [(d, 0, n) for d, n in SAMPLES] + [(64, 2)]:
+        model, batch, loss = _sample(*sample)
         timings, _ = calibrate_units(model, batch, loss, known=calib.units)
         calib = calib.with_units(timings)
-    single = _spawn(1, [((d, 0), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d in WIDTHS
+    single = _spawn(1, [((d, 0, n), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d, n in SAMPLES
                         for m in MICRO_BATCHES])[0]
-    split = [r for rank in _spawn(2, [((WIDTHS[0], 2), m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
+    split = [r for rank in _spawn(2, [((64, 2), m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
              for r in rank]
     eng, fields = fit_engine(single, split, calib)
     return dataclasses.replace(calib, engine=eng, **fields)
@@ -267,9 +305,9 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
     replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``,
     without waits and twice stretched by :data:`UNEQUAL`, in two spawned processes (model, batch, loss
     pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds
-    (``calib`` must hold them), the rest (per micro-batch, split calls) from the machine's fit
-    ``calib.engine``. With ``tracked`` the runs and the unit timings are under the CPU memory tracker (as an
-    emulated run's). About 40 s per model on 2 cores; nothing is saved here.
+    (``calib`` must hold them) with the machine's per-segment intercepts kept, the rest (per micro-batch,
+    split calls) from the machine's fit ``calib.engine``. With ``tracked`` the runs and the unit timings are
+    under the CPU memory tracker (as an emulated run's). About 40 s per model on 2 cores; nothing is saved here.
 
     Raises:
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
@@ -285,5 +323,7 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
     got = _spawn(2, [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
                      for m in SPLIT_MICRO_BATCHES])
     runs = [r for rank in got for r in rank]
-    fits = _fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs])
-    return dataclasses.replace(calib.engine or EngineTiming(), **fits, stretch=STRETCH)
+    machine = calib.engine or EngineTiming()
+    fixed = {f"{h}{d}_overhead": getattr(machine, f"{h}{d}_overhead") for h in ("", "hot_") for d in ("fwd", "bwd")}
+    fits = _fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs], fixed)
+    return dataclasses.replace(machine, **fits, stretch=STRETCH)
