@@ -84,3 +84,23 @@ def test_fit_segments_fits_lines_or_scales_with_given_intercepts():
     mine = _fit_segments(runs, iso, fixed)
     assert mine["fwd_overhead"] == 0.5 and mine["hot_fwd_scale"] == pytest.approx(1.0)
     assert mine["fwd_scale"] == pytest.approx(statistics.median((1.0 + 1.5 * k - 0.5) / k for k in ks))
+
+
+def test_gpt_job_names_the_engine_fit_it_lacks(tmp_path, monkeypatch):
+    from examples.gpt.model import for_plan
+    from examples.gpt.predicted import _missing_fit
+    from whale.frontend.calibrate import unit_keys
+    from whale.plan.calibration import machine_key, model_signature, save
+
+    model, (x, _), loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("WHALE_CALIBRATION", str(path))
+    assert _missing_fit(model, x, tracked=True) == "engine calibration"  # nothing cached
+    save(Calibration(key=machine_key(), engine=EngineTiming(version=ENGINE_VERSION - 1)), path)
+    assert _missing_fit(model, x, tracked=True) == "engine calibration"  # an older procedure's fit
+    save(Calibration(key=machine_key(), engine=EngineTiming()), path)
+    assert _missing_fit(model, x, tracked=True) == "engine fit of this model"
+    sig = model_signature(unit_keys(model, (x, x), None, loss, tracked=True))
+    save(Calibration(key=machine_key(), engine=EngineTiming(), model_engines={sig: EngineTiming()}), path)
+    assert _missing_fit(model, x, tracked=True) == ""
+    assert _missing_fit(model, x, tracked=False) == "engine fit of this model"  # untracked units: another key

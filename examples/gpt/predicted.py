@@ -16,6 +16,14 @@ import whale as wh
 from examples.gpt.model import GPT, GPTConfig
 
 
+def add_prediction_args(a) -> None:
+    """The prediction report's flag; ``a`` is ``add_argument``."""
+    a("--calibrate-engine", action="store_true",
+      help="at the end, rank 0 measures this machine's and this model's engine fits when not cached yet (once, "
+           "about 4 min for the default model on 2 cores; other ranks wait), so the printed prediction is "
+           "calibrated; later runs reuse them")
+
+
 def _factors(engine: wh.Engine) -> list[float] | None:
     """Every rank's ``1 + slowdown`` under emulation (collective), by global rank; ``None`` on real hardware."""
     mine = engine.slowdown
@@ -42,24 +50,29 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
 
         pred = predict_model(model, engine.plan, (x, x), wh.token_cross_entropy(), engine.ctx.cluster,
                              factors=factors, tracked=engine.memory.tracker is not None,
-                             measure_engine=False)
+                             measure_engine=args.calibrate_engine)
     except Exception as exc:  # noqa: BLE001 - a report, not the job
         print(f"(no step-time prediction: {type(exc).__name__}: {exc})", flush=True)
         return None
     out = _print(engine, pred, bubble, state)
-    if not _engine_fitted():
-        print(" (no engine calibration cached on this machine: predicted from isolated unit timings, which "
-              "under-predict a real step; `whale simulate --model examples.gpt.model:for_plan ...` measures it "
-              "once, a few minutes, and later runs use it)", flush=True)
+    missing = _missing_fit(model, x, engine.memory.tracker is not None)
+    if missing:
+        print(f" (no {missing} cached on this machine: the prediction under-predicts a real step; run once with "
+              f"--calibrate-engine to measure it, a few minutes, and later runs use it)", flush=True)
     return out
 
 
-def _engine_fitted() -> bool:
-    """Whether this machine's cached calibration holds the engine fit (the job never measures it)."""
+def _missing_fit(model, x: torch.Tensor, tracked: bool) -> str:
+    """Which engine fit the cache lacks for this model (the job measures none without ``--calibrate-engine``):
+    ``"engine calibration"`` (the machine's), ``"engine fit of this model"``, or ``""``."""
+    from whale.frontend.calibrate import unit_keys
     from whale.plan import calibration as cal
 
     cached = cal.load(cal.machine_key())
-    return cached is not None and cached.engine is not None
+    if cached is None or cached.engine is None or cached.engine.version != cal.ENGINE_VERSION:
+        return "engine calibration"
+    keys = unit_keys(model, (x, x), None, wh.token_cross_entropy(), tracked)
+    return "" if cached.for_model(cal.model_signature(keys)) is not cached else "engine fit of this model"
 
 
 def _print(engine: wh.Engine, pred, bubble: list[dict], state: dict) -> dict:

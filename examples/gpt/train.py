@@ -12,9 +12,8 @@ under the plan's shares, stepped with ``engine.step_local``; a middle pipeline s
 ``--global-batches`` gives every rank the whole batch instead and Whale slices the rows (the same training).
 Rank 0 prints the plan, a progress bar, held-out losses, a generated sample, the bubble report, the measured
 memory table (``--activation-checkpoint`` recomputes the blocks' activations in backward), and writes
-a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an
-uninterrupted run (model, optimizer, RNG, step and data position are restored; the LR is a function of
-the step).
+a JSON summary. ``--resume`` continues from ``--ckpt-dir`` with the same loss trajectory as an uninterrupted
+run (model, optimizer, RNG, step and data position are restored; the LR is a function of the step).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
-from examples.gpt.predicted import prediction_report  # noqa: E402
+from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
@@ -94,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     _memory_args(a)
     add_moe_args(p)
+    add_prediction_args(a)
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
     a("--tensorboard", default="runs/tb", help="TensorBoard log directory (rank 0; '' for none)")
     a("--no-progress", action="store_true",

@@ -48,6 +48,9 @@ SAMPLES = ((32, 1), (64, 2), (128, 2))
 """``(width, layers)`` of the 1-rank calibration runs' :class:`CalibrationNet` models."""
 MICRO_BATCHES, SPLIT_MICRO_BATCHES = (1, 4, 16), (1, 2, 4)
 BATCH, SEQ, VOCAB = 16, 32, 512
+MODEL_ROWS = 16
+"""At most this many rows of a model's sample batch feed its own engine fit (:func:`calibrate_model`): the
+scales are per unit second, and a job's full batch would make the stretched runs take minutes."""
 
 
 class CalibrationNet(nn.Module):
@@ -302,24 +305,27 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
 def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, tracked: bool = False,
                     warmup: int = 3, steps: int = 6) -> EngineTiming:
     """The engine fit of ``model`` itself: its own 2-rank data-parallel runs (every top-level module
-    replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``,
-    without waits and twice stretched by :data:`UNEQUAL`, in two spawned processes (model, batch, loss
-    pickled); the per-segment scales of :func:`_fit_segments` against the model's isolated unit seconds
-    (``calib`` must hold them) with the machine's per-segment intercepts kept, the rest (per micro-batch,
-    split calls) from the machine's fit ``calib.engine``. With ``tracked`` the runs and the unit timings are
-    under the CPU memory tracker (as an emulated run's). About 40 s per model on 2 cores; nothing is saved here.
+    replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``
+    (its first :data:`MODEL_ROWS` rows), without waits and twice stretched by :data:`UNEQUAL`, in two spawned
+    processes (model, batch, loss pickled); the per-segment scales of :func:`_fit_segments` against the
+    model's isolated unit seconds (``calib`` must hold them) with the machine's per-segment intercepts kept,
+    the rest (per micro-batch, split calls) from the machine's fit ``calib.engine``. With ``tracked`` the
+    runs and the unit timings are under the CPU memory tracker (as an emulated run's). 40 s for the planner
+    benchmark's GPT, 4 min for ``make train``'s, on 2 cores; nothing is saved here.
 
     Raises:
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
         ValueError: ``calib`` lacks some of the model's unit timings (calibrate them first).
     """
-    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.calibrate import _rows_of, unit_keys
+    from whale.frontend.hwplan import sample_rows
     from whale.frontend.simcost import covers
 
     if not covers(calib, unit_keys(model, sample_batch, None, loss_fn, tracked), loss_fn):
         raise ValueError("the calibration lacks some of this model's unit timings; calibrate its units first "
                          "(whale.frontend.calibrate.calibration)")
-    sample = (model, sample_batch, loss_fn)
+    full = sample_rows(sample_batch)
+    sample = (model, _rows_of(sample_batch, min(full, MODEL_ROWS), full), loss_fn)
     got = _spawn(2, [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
                      for m in SPLIT_MICRO_BATCHES])
     runs = [r for rank in got for r in rank]
