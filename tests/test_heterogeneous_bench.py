@@ -15,8 +15,8 @@ import sys
 from tests.distributed import run_ranks
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-CFG = {"spec": "test_slow3x.yaml", "batch": 40, "tokens": 256, "dim": 64, "layers": 2, "warmup": 1, "rounds": 3,
-       "k": 2, "window_s": 1.0}
+CFG = {"spec": "test_slow3x.yaml", "batch": 40, "tokens": 256, "dim": 64, "layers": 2, "warmup": 1, "rounds": 2,
+       "k": 2, "window_s": 0.5}
 
 
 def _bench():
