@@ -93,16 +93,21 @@ def _capture(model: nn.Module, names: list[str], inputs) -> dict[str, tuple[tupl
     return seen
 
 
-def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative fit is clamped and refit through 0)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+def _line(xs: list[float], ys: list[float], weights: list[float] | None = None) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative slope gives the flat line ``a`` = mean y;
+    a negative intercept, the line through 0), weighted by ``weights`` (default all 1)."""
+    w = weights or [1.0] * len(xs)
+    total = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / total
+    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / total
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
+    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx if sxx else 0.0
     if b <= 0:
         return my, 0.0
     a = my - b * mx
     if a < 0:
-        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        return 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True)) / sum(
+            wi * x * x for wi, x in zip(w, xs, strict=True))
     return a, b
 
 

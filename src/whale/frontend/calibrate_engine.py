@@ -222,18 +222,9 @@ def _relative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """
     if len(xs) < 2 or min(ys) <= 0:
         raise ValueError(f"a line needs >= 2 points with y > 0, got {len(xs)} points, min y {min(ys, default=0)}")
-    w = [1.0 / y**2 for y in ys]
-    total = sum(w)
-    mx = sum(wi * x for wi, x in zip(w, xs, strict=True)) / total
-    my = sum(wi * y for wi, y in zip(w, ys, strict=True)) / total
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs, strict=True))
-    scale = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx if sxx else 0.0
-    if scale <= 0:
-        return my, 0.0
-    if my - scale * mx < 0:
-        return 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True)) / sum(
-            wi * x * x for wi, x in zip(w, xs, strict=True))
-    return my - scale * mx, scale
+    from whale.frontend.calibrate import _line
+
+    return _line(xs, ys, [1.0 / y**2 for y in ys])
 
 
 def _fit_segments(runs: list[dict], iso: list[tuple], overheads: dict | None = None) -> dict:
