@@ -46,6 +46,8 @@ UNEQUAL = (STRETCH - 1, 1.5 * STRETCH - 1)
 faster one waits inside its segments (split collectives) as on a mixed cluster."""
 SAMPLES = ((32, 1), (64, 2), (128, 2))
 """``(width, layers)`` of the 1-rank calibration runs' :class:`CalibrationNet` models."""
+SPLIT_SAMPLE = (64, 2)
+"""``(width, split)`` of the 2-rank split calibration runs' :class:`CalibrationNet` (its MLP split in two)."""
 MICRO_BATCHES, SPLIT_MICRO_BATCHES = (1, 4, 16), (1, 2, 4)
 BATCH, SEQ, VOCAB = 16, 32, 512
 MODEL_ROWS = 16
@@ -278,16 +280,16 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
     :class:`CalibrationNet` (:data:`SAMPLES`, micro-batches :data:`MICRO_BATCHES`, without waits and
     stretched by :data:`STRETCH`) in one spawned process, 2-rank split runs (:data:`SPLIT_MICRO_BATCHES`) in
     two; the calibration models' unit types are timed too (:func:`whale.frontend.calibrate.calibrate_units`).
-    About a minute on 2 cores; nothing is saved here."""
+    About 2 minutes on 2 cores; nothing is saved here."""
     from whale.frontend.calibrate import calibrate_units
 
-    for sample in [(d, 0, n) for d, n in SAMPLES] + [(64, 2)]:
+    for sample in [(d, 0, n) for d, n in SAMPLES] + [SPLIT_SAMPLE]:
         model, batch, loss = _sample(*sample)
         timings, _ = calibrate_units(model, batch, loss, known=calib.units)
         calib = calib.with_units(timings)
     single = _spawn(1, [((d, 0, n), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d, n in SAMPLES
                         for m in MICRO_BATCHES])[0]
-    split = [r for rank in _spawn(2, [((64, 2), m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
+    split = [r for rank in _spawn(2, [(SPLIT_SAMPLE, m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
              for r in rank]
     eng, fields = fit_engine(single, split, calib)
     return dataclasses.replace(calib, engine=eng, **fields)
