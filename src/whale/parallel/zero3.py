@@ -21,10 +21,10 @@ to its backward, as FSDP2's root, except in a pipeline, where other micro-batche
 the outputs; the first gradient reaching an output gathers the unit again. The unit is freed once this
 backward reads none of its parameters any more: a parameter that requires grad is read last by the op that
 makes its gradient, so every one of them must have its gradient; a frozen one (a LoRA base weight, anywhere
-in the unit) gives no such signal, so the call's inputs that need gradients pass through an identity
-(:class:`_InputsDone`, as FSDP2's post-backward hook) whose backward runs after every op of the call that
-leads to them, and every other op of the unit leads to one of the unit's gradients, already waited for. So a
-unit is freed as soon as its backward ends, whatever is frozen in it; the root, which holds the model's other
+in the unit) gives no such signal, so in a unit holding one the call's inputs that need gradients pass through
+an identity (:class:`_InputsDone`, as FSDP2's post-backward hook) whose backward runs after every op of the
+call that leads to them, and every other op of the unit leads to one of the unit's gradients, already waited
+for. So a unit is freed as soon as its backward ends, whatever is frozen in it; the root, which holds the model's other
 units, waits with a frozen parameter (e.g. a frozen final norm, needed for the units' gradients) for the end
 of the backward, as does a unit with a parameter no path reached. Then the gradients autograd made are copied
 into one flat buffer (as FSDP2 does: a buffer allocated up front would hold a unit's whole gradient while its
@@ -48,8 +48,10 @@ Limits: every lane must call the same units in the same order (same control flow
 that do not raise a :class:`Zero3Error` on every rank, naming the units and lanes (in the first steps at the
 collective where they part, later at the step's end before the update; :mod:`whale.parallel.zero3_check`); a
 unit's parameter must only be read inside that unit's forward (or be left to the root), and a tensor that
-needs gradients must reach a unit as an argument of its call (one read from elsewhere, e.g. an attribute, would
-let the unit be freed before its frozen parameters' last use); one dtype per unit.
+needs gradients must reach a unit holding a frozen parameter as an argument of its call (one read from
+elsewhere, e.g. an attribute, could let the unit be freed before that parameter's last use), and such a unit
+must not modify those arguments in place (autograd refuses in-place changes to a custom function's outputs,
+as under FSDP2); one dtype per unit.
 """
 
 from __future__ import annotations
@@ -182,12 +184,13 @@ class Zero3Shards:
         zero3_unit.free(unit, self.tracker)
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
-        """Before the unit's forward: gather it; when gradients are on (not a recompute inside backward), pass
-        the call's inputs that need gradients through :class:`_InputsDone` (their backward tells when the
-        call's backward no longer reads the unit's parameters)."""
+        """Before the unit's forward: gather it; when gradients are on (not a recompute inside backward) and the
+        unit holds a frozen parameter, pass the call's inputs that need gradients through :class:`_InputsDone`
+        (their backward tells when the call's backward no longer reads the unit's parameters)."""
         self._gather(unit, FORWARD)
         unit.call = None
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+                or all(p.requires_grad for p in unit.params)):
             return None
         leaves, spec = tree_flatten((args, kwargs))
         at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
