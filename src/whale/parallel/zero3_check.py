@@ -12,7 +12,8 @@ was doing there:
   fixed-shape all-gather of ``(collective number, unit, phase, count)`` (4 int64 per lane), and so are the end of
   each forward of the stage module and the end of the step, so a lane that called fewer units meets the others
   in a same-shaped collective instead of waiting in a different one. Cost: one latency-bound 32-byte
-  all-gather per collective of those steps (a unit's gather moves its whole parameters).
+  all-gather per collective of those steps, and reading its result syncs the device there (a unit's gather
+  moves its whole parameters).
 * After them, always on: every lane folds each collective's ``(unit, phase)`` into a 61-bit fingerprint (a
   multiply-add in Python per collective) that rides in ZeRO-3's existing used-flags all-reduce at the step's
   end (two more int64 in it, ``MAX`` of ``fp`` and ``-fp``: equal on every lane iff ``max == -max(-fp)``), so
