@@ -44,12 +44,14 @@ def _batches(steps):
     return out
 
 
-def _reference(ref, steps):
-    """One process: the same groups, scheduler, token-mean loss and clipping."""
+def _reference(ref, steps, before=None):
+    """One process: the same groups, scheduler, token-mean loss and clipping; ``before(k)`` runs before step k."""
     opt = torch.optim.AdamW(_groups(ref), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
     losses = []
-    for x, y in _batches(steps):
+    for k, (x, y) in enumerate(_batches(steps)):
+        if before is not None:
+            before(k)
         opt.zero_grad()
         loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100)
         loss.backward()

@@ -11,38 +11,47 @@ directly, not through module calls, so there the whole stage module is one unit.
 Each unit's parameters (the stage's replicated ones: not split shards, already cut, and not parameters tied
 across stages, whose values stay whole while their gradients and optimizer state are sliced over the tie group
 as under ZeRO-2: :attr:`Zero3Shards.tied`, :mod:`whale.parallel.zero3_sync`) become views of one flat
-buffer of ``N`` elements; lane ``g`` of the stage owns elements ``bounds[g]:bounds[g + 1]`` (
-:func:`~whale.plan.zero.whole_shares` of the plan's ``zero_weights``: sized by free device memory) and keeps
-them in its own *shard*; the full buffer's storage exists only while the unit is gathered
-(``untyped_storage().resize_``, so autograd's saved references to the parameters see the data again in
-backward).
+buffer; each lane keeps its range of it (sized by free device memory: the plan's ``zero_weights``) in its own
+*shard*, and the full buffer's storage exists only while the unit is gathered (layout and collectives:
+:mod:`whale.parallel.zero3_unit`).
 
 Per micro-batch (so 1F1B with several micro-batches in flight works: each forward and each backward gathers
 again): a forward pre-hook gathers the unit, a forward hook frees it (the root stays gathered from its forward
 to its backward, as FSDP2's root, except in a pipeline, where other micro-batches run in between) and hooks
-the outputs; the first gradient reaching an output gathers the unit again; when every parameter of the unit
-that requires grad has its gradient (or, for a parameter no path reached, at the end of that backward) the
-gradients autograd made are copied into one flat buffer (as FSDP2 does: a buffer allocated up front would
-hold a unit's whole gradient while its first parameter's gradient is still being made, e.g. the tied head's),
-which is reduce-scattered into the lane's shard gradient (summed over micro-batches), and the unit is freed;
-the previous reduce-scatter is waited for then, so at most two flat gradient buffers exist. After the step's
-last backward one all-reduce of "used" flags makes every piece of a parameter no lane used end with
-``.grad = None`` (as in one process). The optimizer steps this lane's *pieces* (views of its shard; the user's
+the outputs; the first gradient reaching an output gathers the unit again. The unit is freed once this
+backward reads none of its parameters any more: a parameter that requires grad is read last by the op that
+makes its gradient, so every one of them must have its gradient; a frozen one (a LoRA base weight, anywhere
+in the unit) gives no such signal, so in a unit holding one the call's inputs that need gradients pass through
+an identity (:class:`_InputsDone`, as FSDP2's post-backward hook) whose backward runs after every op of the
+call that leads to them, and every other op of the unit leads to one of the unit's gradients, already waited
+for. So a unit is freed as soon as its backward ends, whatever is frozen in it; the root, which holds the model's other
+units, waits with a frozen parameter (e.g. a frozen final norm, needed for the units' gradients) for the end
+of the backward, as does a unit with a parameter no path reached. Then the gradients autograd made are copied
+into one flat buffer (as FSDP2 does: a buffer allocated up front would hold a unit's whole gradient while its
+first parameter's gradient is still being made, e.g. the tied head's), which is reduce-scattered into the
+lane's shard gradient (summed over micro-batches; a unit without a parameter that requires grad skips it),
+and the unit is freed; the previous reduce-scatter is waited for then, so at most two flat gradient buffers
+exist. Which parameters require grad is read at each backward, so freezing or unfreezing between steps works.
+A checkpointed unit recomputes in its backward, while gathered for it. After the step's last backward one
+all-reduce of "used" flags makes every piece of a parameter no lane used end with ``.grad = None`` (as in one
+process; it also carries the lanes' fingerprints of the step's collectives: :mod:`whale.parallel.zero3_check`).
+The optimizer steps this lane's *pieces* (views of its shard; the user's
 param groups and schedulers kept, as under ZeRO-1/2); nothing is broadcast after the step: the next forward
 gathers.
-
-Collectives: with equal shares one ``all_gather_single`` / ``reduce_scatter_single`` per unit; with uneven
-shares gloo's all-gather refuses different sizes, so each lane broadcasts its range in place into the flat
-buffer (no padding, no copy afterwards; an all-gather into padded buffers would need a copy out of the
-padding) and gradients go through the list form of ``reduce_scatter`` (uneven slices, gloo and NCCL).
 
 Why Whale's own code and not FSDP2 (``fully_shard``): FSDP2 shards every parameter evenly on dim 0
 (``Shard(0)`` DTensors, padded to equal chunks); it cannot give a 32 GB device a larger slice than a 16 GB one,
 which is the point of hardware-aware sharding; it also replaces parameters by DTensors, which Whale's split
 regions, pipeline stages (traced graphs) and gradient bookkeeping do not expect.
 
-Limits: every lane must call the same units in the same order (same control flow), as for any ZeRO-3; a
-unit's parameter must only be read inside that unit's forward (or be left to the root); one dtype per unit.
+Limits: every lane must call the same units in the same order (same control flow), as for any ZeRO-3: lanes
+that do not raise a :class:`Zero3Error` on every rank, naming the units and lanes (in the first steps at the
+collective where they part, later at the step's end before the update; :mod:`whale.parallel.zero3_check`); a
+unit's parameter must only be read inside that unit's forward (or be left to the root), and a tensor that
+needs gradients must reach a unit holding a frozen parameter as an argument of its call (one read from
+elsewhere, e.g. an attribute, could let the unit be freed before that parameter's last use), and such a unit
+must not modify those arguments in place (autograd refuses in-place changes to a custom function's outputs,
+as under FSDP2); one dtype per unit.
 """
 
 from __future__ import annotations
@@ -50,49 +59,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from whale.memory.checkpointing import repeated_layers
+from whale.parallel import zero3_unit
 from whale.parallel.zero import _Piece, bind_pieces
-from whale.plan.zero import whole_shares
+from whale.parallel.zero3_check import BACKWARD, END_FORWARD, END_STEP, FORWARD, REDUCE, LaneAgreement, Zero3Error
+from whale.parallel.zero3_unit import Call, Unit, find_units
+
+__all__ = ["Zero3Error", "Zero3Shards", "find_units"]
 
 
-class Zero3Error(ValueError):
-    """A stage ZeRO-3 cannot shard as asked; the message names the unit and the fix."""
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit call's inputs that need gradients; its backward runs once every op of the call that
+    leads to them has run its backward (so no longer reads the unit's parameters) and calls ``done``."""
 
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
 
-@dataclass(eq=False)
-class _Unit:
-    """One gathered-at-once group of parameters (see the module docstring)."""
-
-    name: str
-    params: list[nn.Parameter]
-    views: list[torch.Tensor]  # each parameter's view of ``flat`` (its ``.data`` while gathered)
-    flat: torch.Tensor  # N elements; storage resized to 0 while freed
-    shard: torch.Tensor  # this lane's range, own storage
-    shard_grad: torch.Tensor
-    bounds: list[int]
-    keep: bool  # stays gathered from forward to backward (the root outside pipelines)
-    used: torch.Tensor  # per parameter: got a gradient on this lane this step
-    even: bool = False  # equal ranges: one all-gather / reduce-scatter instead of per-lane calls
-    gathered: bool = False
-    active: bool = False  # inside this unit's backward (gathered, gradients arriving)
-    arrived: set[int] = field(default_factory=set)
-    expected: int = 0
-
-
-def find_units(module: nn.Module, pipeline: bool) -> list[tuple[str, nn.Module]]:
-    """The units of a stage module other than its root: ``[(fqn, module)]`` (none in a pipeline stage)."""
-    if pipeline:
-        return []
-    names = repeated_layers(module) or [n for n, c in module.named_children() if next(c.parameters(), None)
-                                        is not None and not isinstance(c, nn.ModuleList | nn.ModuleDict)]
-    return [(n, module.get_submodule(n)) for n in names]
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
 
 
 class Zero3Shards:
@@ -127,7 +120,7 @@ class Zero3Shards:
         self.weights = list(weights)
         managed = {id(p): p for p in params}
         self.managed = set(managed)
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         self.pieces: list[_Piece] = []
         taken: dict[int, int] = {}
         found = find_units(module, pipeline)
@@ -139,43 +132,26 @@ class Zero3Shards:
             own = [p for p in {id(q): q for q in m.parameters()}.values() if id(p) in managed and taken[id(p)] == 1]
             self._add(name, m, own, keep=False)
         rest = [p for p in managed.values() if taken.get(id(p), 0) != 1]
-        self._add("<root>", module, rest, keep=not pipeline)
+        self._add("<root>", module, rest, keep=not pipeline, nested=bool(self.units))
         self._index = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        device = self.units[0].flat.device if self.units else torch.device("cpu")
+        self.check = LaneAgreement(group, [u.name for u in self.units], self.sources, device)
+        self._handles.append(module.register_forward_hook(self._end_forward))
         self._pending: list[tuple] = []
         self._callback_task = None
         self._grad_hooks: dict[int, object] = {}
 
     # --- building ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _add(self, name: str, module: nn.Module, params: list[nn.Parameter], keep: bool) -> None:
-        """Flatten ``params`` into a new unit gathered around ``module``'s calls."""
+    def _add(self, name: str, module: nn.Module, params: list[nn.Parameter], keep: bool, nested=False) -> None:
+        """Flatten ``params`` into a new unit gathered around ``module``'s calls (:func:`zero3_unit.make_unit`)."""
         if not params:
             return
-        if len({(p.dtype, p.device) for p in params}) > 1:
-            kinds = sorted({f"{p.dtype}@{p.device}" for p in params})
-            raise Zero3Error(f"ZeRO-3 unit {name!r} mixes parameter dtypes/devices {kinds}; give the module's "
-                             "parameters one dtype and device, or use Config(zero=2)")
-        numel = sum(p.numel() for p in params)
-        b = [0, *itertools.accumulate(whole_shares(numel, self.weights))]
-        flat = params[0].new_empty(numel)
-        views, offset = [], 0
-        for p in params:
-            views.append(flat[offset: offset + p.numel()].view_as(p))
-            views[-1].copy_(p.detach())
-            offset += p.numel()
-        a, z = b[self.me], b[self.me + 1]
-        even = len({y - x for x, y in itertools.pairwise(b)}) == 1
-        unit = _Unit(name, params, views, flat, flat[a:z].clone(), flat.new_zeros(z - a), b, keep,
-                     torch.zeros(len(params), dtype=torch.bool), even=even)
-        offset = 0
-        for i, p in enumerate(params):
-            lo, hi = max(a, offset), min(z, offset + p.numel())
-            if lo < hi:
-                self.pieces.append(_Piece(nn.Parameter(unit.shard[lo - a: hi - a]), p, len(self.units), i, lo, hi))
-            offset += p.numel()
+        unit, pieces = zero3_unit.make_unit(name, params, self.weights, self.me, len(self.units), keep, nested)
+        self.pieces += pieces
         self.units.append(unit)
         self._free(unit)
-        self._handles += [module.register_forward_pre_hook(lambda m, args, u=unit: self._gather(u)),
+        self._handles += [module.register_forward_pre_hook(functools.partial(self._pre_forward, unit),
+                                                           with_kwargs=True),
                           module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))]
 
     @property
@@ -195,41 +171,38 @@ class Zero3Shards:
             self.tied.bind(optimizer)
 
     # --- gathering and freeing -------------------------------------------------------------------------------
-    def _resized(self, unit: _Unit, numel: int) -> None:
-        unit.flat.untyped_storage().resize_(numel * unit.flat.element_size())
-        if self.tracker is not None:
-            self.tracker.label(unit.flat, "parameters")
-
-    @torch.no_grad()
-    def _gather(self, unit: _Unit) -> None:
-        """Make ``unit``'s parameters whole (collective over the lanes; a no-op when gathered)."""
+    def _gather(self, unit: Unit, phase: int | None = None) -> None:
+        """Make ``unit``'s parameters whole (collective over the lanes; a no-op when gathered); ``phase``: the
+        step's collective to record and check first (:class:`~whale.parallel.zero3_check.LaneAgreement`)."""
         if unit.gathered:
             return
-        self._resized(unit, unit.flat.numel())
-        b = unit.bounds
-        if unit.even:
-            dist.all_gather_single(unit.flat, unit.shard, group=self.group)
-        else:
-            unit.flat[b[self.me]: b[self.me + 1]].copy_(unit.shard)
-            works = [dist.broadcast(unit.shard if g == self.me else unit.flat[b[g]: b[g + 1]], src=src,
-                                    group=self.group, async_op=True)
-                     for g, src in enumerate(self.sources) if b[g] < b[g + 1]]
-            for w in works:
-                w.wait()
-        for p, view in zip(unit.params, unit.views, strict=True):
-            p.data = view
-        unit.gathered = True
+        if phase is not None:
+            self.check.before(unit.index, phase)
+        zero3_unit.gather(unit, self.group, self.me, self.sources, self.tracker)
 
-    def _free(self, unit: _Unit) -> None:
-        """Free the unit's full buffer; its parameters become empty tensors (shape ``[0]``: reading a freed
-        parameter fails on its shape instead of touching freed memory)."""
-        self._resized(unit, 0)
-        empty = unit.flat.new_empty(0)
-        for p in unit.params:
-            p.data = empty
-        unit.gathered = False
+    def _free(self, unit: Unit) -> None:
+        zero3_unit.free(unit, self.tracker)
 
-    def _post_forward(self, unit: _Unit, out) -> None:
+    def _pre_forward(self, unit: Unit, module, args, kwargs):
+        """Before the unit's forward: gather it; when gradients are on (not a recompute inside backward) and the
+        unit holds a frozen parameter, pass the call's inputs that need gradients through :class:`_InputsDone`
+        (their backward tells when the call's backward no longer reads the unit's parameters)."""
+        self._gather(unit, FORWARD)
+        unit.call = None
+        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+                or all(p.requires_grad for p in unit.params)):
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return None
+        call = unit.call = Call()
+        for i, t in zip(at, _InputsDone.apply(functools.partial(self._inputs_done, unit, call),
+                                              *[leaves[i] for i in at]), strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _post_forward(self, unit: Unit, out) -> None:
         """After the unit's forward: hook its outputs (gather again before their backward) and free it. Inside
         backward (a checkpointed recompute) the unit stays gathered for the backward under way."""
         if torch._C._current_graph_task_id() != -1:
@@ -237,22 +210,36 @@ class Zero3Shards:
         if torch.is_grad_enabled():
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._pre_backward, unit))
+                    t.register_hook(functools.partial(self._pre_backward, unit, unit.call))
         if not unit.keep:
             self._free(unit)
 
-    def _pre_backward(self, unit: _Unit, grad=None) -> None:
-        """The first gradient of one of the unit's outputs: gather the unit for its backward."""
-        if unit.active:
-            return
-        self._gather(unit)
-        unit.active = True
-        unit.arrived.clear()
-        unit.expected = sum(p.requires_grad for p in unit.params)
-        task = torch._C._current_graph_task_id()
-        if self._callback_task != task:
-            self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+    def _end_forward(self, module, args, out) -> None:
+        """After a forward of the stage module: on the checked steps, every lane must be here too."""
+        if torch._C._current_graph_task_id() == -1:
+            self.check.before(-1, END_FORWARD)
+
+    def _pre_backward(self, unit: Unit, call: Call | None, grad=None) -> None:
+        """A gradient of one of the unit's outputs (of ``call``): gather the unit for its backward (the first)."""
+        if not unit.active:
+            self._gather(unit, BACKWARD)
+            unit.active = True
+            unit.arrived.clear()
+            unit.open.clear()
+            unit.expected = sum(p.requires_grad for p in unit.params)
+            unit.hold = unit.nested and unit.expected < len(unit.params)
+            task = torch._C._current_graph_task_id()
+            if self._callback_task != task:
+                self._callback_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if call is not None and not call.done:
+            unit.open.add(call)
+
+    def _inputs_done(self, unit: Unit, call: Call) -> None:
+        """Every gradient of ``call``'s inputs is made: its ops no longer need the unit."""
+        call.done = True
+        unit.open.discard(call)
+        self._maybe_free(unit)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit, i = self._index[id(p)]
@@ -262,23 +249,27 @@ class Zero3Shards:
                              "backward (the parameter is read outside the unit's forward); call the module "
                              "instead of reading its parameters, or use Config(zero=2)")
         unit.arrived.add(i)
-        if len(unit.arrived) == unit.expected:
+        self._maybe_free(unit)
+
+    def _maybe_free(self, unit: Unit) -> None:
+        """Reduce and free ``unit`` once this backward no longer reads it: every parameter that requires grad
+        has its gradient (no op reads those after), and every op reading a frozen one has run: the ops of the
+        calls whose inputs need gradients have (their :class:`_InputsDone` ran), and the others lead only to
+        those gradients. The root around other units with a frozen parameter waits for the backward's end: its
+        ops (e.g. a frozen final norm) also lead to the other units' gradients."""
+        if unit.active and not unit.open and not unit.hold and len(unit.arrived) == unit.expected:
             self._post_backward(unit)
 
-    def _post_backward(self, unit: _Unit) -> None:
+    def _post_backward(self, unit: Unit) -> None:
         """Start reduce-scattering the unit's gradients (made by autograd, copied into one flat buffer) into the
-        lanes' shards, free the unit; finish the previous reduce-scatter."""
-        b = unit.bounds
-        full = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in unit.params])
-        for p in unit.params:
-            p.grad = None
-        out = full.new_empty(b[self.me + 1] - b[self.me])
-        if unit.even:
-            work = dist.reduce_scatter_single(out, full, group=self.group, async_op=True)
-        else:
-            parts = [full[b[g]: b[g + 1]] for g in range(len(self.sources))]
-            work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
+        lanes' shards, free the unit; finish the previous reduce-scatter. A unit with no parameter that
+        requires grad (frozen on every lane) has nothing to reduce."""
         unit.active = False
+        if not unit.expected:
+            self._free(unit)
+            return
+        self.check.before(unit.index, REDUCE)
+        out, work, full = zero3_unit.start_reduce(unit, self.group, self.me, len(self.sources))
         self._free(unit)
         self._drain()
         self._pending.append((unit, out, work, full))  # ``full`` stays alive until the collective is done
@@ -291,7 +282,8 @@ class Zero3Shards:
             unit.shard_grad.add_(out)
 
     def _end_backward(self) -> None:
-        """End of a backward: reduce the units some parameter of which got no gradient, in unit order."""
+        """End of a backward: reduce the units still gathered for it (some parameter of which got no gradient, or
+        held to the end: :meth:`_maybe_free`), in unit order."""
         self._callback_task = None
         for unit in self.units:
             if unit.active:
@@ -300,18 +292,38 @@ class Zero3Shards:
 
     # --- the step ------------------------------------------------------------------------------------------
     def start_step(self) -> None:
-        """Before a step's first backward: hook every parameter that requires grad now."""
+        """Before a step's first backward: hook every parameter that requires grad now (the user may unfreeze
+        one between steps); start the step's record of collectives."""
+        self.check.start_step()
         for unit in self.units:
             for p in unit.params:
                 if p.requires_grad and id(p) not in self._grad_hooks:
                     self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
 
+    def agree_step(self) -> None:
+        """The step's last backward is done: on the checked steps, every lane must be here too (collective; the
+        first of the step's end, before any other gradient collective).
+
+        Raises:
+            Zero3Error: lanes that called different units (:mod:`whale.parallel.zero3_check`), on every lane.
+        """
+        self.check.before(-1, END_STEP)
+
     def finish(self) -> None:
         """After the step's last backward: the pieces get their summed gradients, ``None`` where no lane used
-        the parameter (one all-reduce of the used flags over the lanes)."""
+        the parameter (one ``MAX`` all-reduce of the used flags over the lanes, which also compares the lanes'
+        fingerprints of the step's collectives).
+
+        Raises:
+            Zero3Error: lanes that called different units this step (before any weight changes), on every lane.
+        """
         self._drain()
-        flags = torch.cat([u.used for u in self.units]).to(self.units[0].flat.device, torch.float32)  # NCCL: device
-        dist.all_reduce(flags, group=self.group)
+        flags = torch.cat([u.used for u in self.units]).long().tolist() + self.check.fingerprint_pair()
+        reduced = torch.tensor(flags, dtype=torch.int64, device=self.units[0].flat.device)  # NCCL: on the device
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.group)
+        flags = reduced.tolist()
+        self.check.check_fingerprints(flags[-2:])
+        self.check.step += 1
         starts = [0, *itertools.accumulate(len(u.params) for u in self.units)]
         for pc in self.pieces:
             unit = self.units[pc.bucket]

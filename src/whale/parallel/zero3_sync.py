@@ -28,7 +28,14 @@ class Zero3GradSync(ShardedGradSync):
             self.zero3.start_step()
 
     def finish(self) -> None:
-        """As :meth:`ShardedGradSync.finish`, then ZeRO-3's pieces' gradients."""
+        """As :meth:`ShardedGradSync.finish`, then ZeRO-3's pieces' gradients; ZeRO-3's lanes first check that they
+        all reached the step's end (:meth:`Zero3Shards.agree_step`).
+
+        Raises:
+            Zero3Error: lanes that called different units this step, on every lane.
+        """
+        if self.zero3 is not None:
+            self.zero3.agree_step()
         super().finish()
         if self.zero3 is not None:
             self.zero3.finish()
@@ -53,7 +60,8 @@ def build_zero3(plan: Plan, param_groups: list, lanes_group, tied_groups: list, 
 
     Raises:
         ZeroError: an optimizer that is not elementwise.
-        Zero3Error: a unit whose parameters mix dtypes or devices.
+        Zero3Error: a unit whose parameters mix dtypes or devices (later, from the step: lanes that called
+            different units, :mod:`whale.parallel.zero3_check`).
     """
     lanes = lanes_group is not None and dist.get_world_size(lanes_group) > 1 and bool(param_groups[0][1])
     sync = Zero3GradSync(param_groups[1:] if lanes else param_groups, bucket_cap_mb)
