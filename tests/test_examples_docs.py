@@ -1,0 +1,120 @@
+"""Issue 23, examples and docs drift: PlanSampler's mid-epoch resume (process-free), the HF example's flags and
+its checkpoint resume (2 gloo ranks), and what ``whale simulate`` prints (progress, plan, disagreement warning,
+timeline labels; process-free, on a seeded calibration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import whale as wh
+from tests.models import TinyLM
+
+
+def _plan(world, layers=(2,), mb=1, shares=None):
+    return wh.plan_model(TinyLM(stage_layers=layers), world, wh.Config(num_micro_batch=mb, load_shares=shares))
+
+
+def _dataset(n: int):
+    return torch.utils.data.TensorDataset(torch.arange(n)[:, None], torch.arange(n)[:, None])
+
+
+# --- PlanSampler.state_dict / load_state_dict (no processes) ---------------------------------------------------
+
+def test_sampler_resumes_mid_epoch_with_the_remaining_batches():
+    """k batches taken, state saved, a new sampler (same plan) loaded with it yields exactly the rest."""
+    plan = _plan(2, shares=(3, 1))
+    for rank in range(2):
+        whole = wh.PlanSampler(40, plan, rank, 8, seed=5)
+        whole.set_epoch(3)
+        want = list(whole)
+        first = wh.PlanSampler(40, plan, rank, 8, seed=5)
+        first.set_epoch(3)
+        it = iter(first)
+        taken = [next(it) for _ in range(2)]
+        state = first.state_dict()
+        assert state == {"epoch": 3, "position": 2, "seed": 5, "global_batch": 8, "dataset_len": 40,
+                         "shuffle": True, "drop_last": True}
+        again = wh.PlanSampler(40, plan, rank, 8, seed=5)
+        again.load_state_dict(state)
+        again.set_epoch(3)  # the training loop's set_epoch of the current epoch keeps the loaded position
+        assert taken + list(again) == want
+        assert again.position == 5 == len(again)
+        again.set_epoch(4)  # the next epoch starts at its first batch
+        assert again.position == 0 and len(list(again)) == 5
+
+
+def test_sampler_resumes_under_another_plan_with_the_unseen_samples():
+    """Saved under 2 lanes with shares 3:1, resumed under 4 ranks (2 lanes x 2 stages, shares 1:1): every new
+    rank yields what an uninterrupted sampler under the new plan yields from there, and the samples before and
+    after the resume are the epoch's, each once."""
+    old, new = _plan(2, shares=(3, 1)), _plan(4, layers=(1, 1), mb=2)
+    before = [wh.PlanSampler(40, old, r, 8, seed=1) for r in range(2)]
+    iters = [iter(s) for s in before]
+    seen = [i for it in iters for _ in range(3) for i in next(it)]
+    states = [s.state_dict() for s in before]
+    assert states[0] == states[1] and states[0]["position"] == 3
+    after = []
+    for r in range(4):
+        s = wh.PlanSampler(40, new, r, 8, seed=1)
+        s.load_state_dict(states[0])
+        after.append(list(s))
+        assert after[-1] == list(wh.PlanSampler(40, new, r, 8, seed=1))[3:]
+    stage0 = [r for r in range(4) if new.coords(r)[0] == 0]
+    rest = [i for r in stage0 for batch in after[r] for i in batch]
+    order = before[0].order()
+    assert sorted(seen + rest) == sorted(order[:40]) and len(set(seen + rest)) == 40
+
+
+def test_sampler_refuses_a_state_of_another_order():
+    plan = _plan(2, shares=(1, 1))
+    s = wh.PlanSampler(40, plan, 0, 8, seed=1)
+    next(iter(s))
+    state = s.state_dict()
+    with pytest.raises(ValueError, match=r"^the sampler state has seed=1 but this PlanSampler has seed=2: the epoch's "
+                                         r"order would differ; build the sampler with seed=1 to resume$"):
+        wh.PlanSampler(40, plan, 0, 8, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^the sampler state has dataset_len=40 but this PlanSampler has "
+                                         r"dataset_len=48"):
+        wh.PlanSampler(48, plan, 0, 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^the sampler state is 1 global batch\(es\) of 8 into epoch 0 but this "
+                                         r"PlanSampler's global batch is 4: resume mid-epoch with global_batch=8 \(any "
+                                         r"plan or world size works\), or change it at an epoch boundary$"):
+        wh.PlanSampler(40, plan, 0, 4, seed=1).load_state_dict(state)
+    boundary = {**state, "position": 0, "epoch": 2}
+    other = wh.PlanSampler(40, plan, 0, 4, seed=1)
+    other.load_state_dict(boundary)  # another global batch at an epoch boundary is fine
+    assert other.epoch == 2 and len(list(other)) == 10
+
+
+def test_loader_counts_delivered_batches_not_prefetched_ones():
+    """A DataLoader worker draws indices ahead; the sampler's position is the batches the loader delivered, so a
+    state saved mid-epoch resumes at the next undelivered batch (one worker process)."""
+    plan, ds = _plan(2, shares=(1, 1)), _dataset(48)
+    s = wh.PlanSampler(48, plan, 0, 8, seed=3)
+    want = list(wh.PlanSampler(48, plan, 0, 8, seed=3))
+    it = iter(s.loader(ds, num_workers=1, prefetch_factor=4))
+    got = [next(it)[0].flatten().tolist() for _ in range(2)]
+    state = s.state_dict()
+    del it
+    assert state["position"] == 2 and got == want[:2]
+    plain = wh.PlanSampler(48, plan, 0, 8, seed=3)  # a DataLoader of its own: the sampler counts what it handed out
+    it = iter(torch.utils.data.DataLoader(ds, batch_sampler=plain, num_workers=1, prefetch_factor=4))
+    next(it), next(it)
+    assert plain.position > 2
+    del it
+    again = wh.PlanSampler(48, plan, 0, 8, seed=3)
+    again.load_state_dict(state)
+    assert [x.flatten().tolist() for x, _ in again.loader(ds)] == want[2:]
+
+
+def test_middle_stage_moves_its_position_with_the_others():
+    plan = _plan(4, layers=(1, 1, 1, 1), mb=2)
+    middle = wh.PlanSampler(16, plan, plan.rank_of(1, 0), 4)
+    loader = middle.loader(_dataset(16))
+    it = iter(loader)
+    next(it)
+    assert middle.state_dict()["position"] == 1
+    resumed = wh.PlanSampler(16, plan, plan.rank_of(1, 0), 4)
+    resumed.load_state_dict(middle.state_dict())
+    assert list(resumed.loader(_dataset(16))) == [None] * 3
