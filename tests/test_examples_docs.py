@@ -196,3 +196,33 @@ def test_hf_example_saves_resumes_and_continues_like_an_uninterrupted_run(tmp_pa
                                rtol=1e-5, atol=0)
     assert [s for s, _ in resumed["val_curve"]] == [0, 2, 4] and [s for s, _ in whole["val_curve"]] == [0, 4]
     torch.testing.assert_close(resumed["val_curve"][-1][1], whole["val_curve"][-1][1], rtol=1e-5, atol=0)
+
+
+# --- whale simulate: calibration progress, plan, disagreement warning, timeline labels ------------------------
+
+@pytest.mark.slow
+def test_first_calibration_says_what_it_measures_before_and_during_the_engine_runs(tmp_path, monkeypatch, capsys):
+    """The real engine calibration (one spawned process) on 4 tiny one-rank runs instead of 18 (and none of the
+    split runs): a line naming the work, the runs and the estimate first, then one line per run with the time
+    left."""
+    from whale.frontend import calibrate_engine as ce
+    from whale.frontend.calibrate import calibration
+    from whale.plan.calibration import Calibration, machine_key, save
+
+    path = tmp_path / "cal.json"
+    save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8), path)
+    monkeypatch.setenv("WHALE_CALIBRATION", str(path))
+    monkeypatch.setattr(ce, "SAMPLES", ((16, 1),))
+    monkeypatch.setattr(ce, "MICRO_BATCHES", (1, 2))
+    monkeypatch.setattr(ce, "SPLIT_MICRO_BATCHES", ())
+    calib = calibration(comm=True, save=True)
+    err = capsys.readouterr().err.splitlines()
+    assert calib.engine is not None and calib.engine.fwd_scale > 0
+    assert err[0] == (f"whale calibration: measuring this machine's engine fit, once (cached in {path}): 4 one-rank "
+                      "and 0 two-rank engine runs of calibration models, about 2 min on 2 cores")
+    runs = ["1 micro-batch(es), without waits", "2 micro-batch(es), without waits",
+            "1 micro-batch(es), stretched 8x", "2 micro-batch(es), stretched 8x"]
+    for i, (line, run) in enumerate(zip(err[1:], runs, strict=True)):
+        assert re.fullmatch(rf"whale calibration: machine engine fit, one-rank run \[{i + 1}/4\] CalibrationNet "
+                            rf"width 16 x 1 layers, {re.escape(run)}: \d+ s so far, about \d+ s left", line), line
+    assert err[-1].endswith("about 0 s left") and len(err) == 5
