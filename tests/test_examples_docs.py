@@ -226,3 +226,104 @@ def test_first_calibration_says_what_it_measures_before_and_during_the_engine_ru
         assert re.fullmatch(rf"whale calibration: machine engine fit, one-rank run \[{i + 1}/4\] CalibrationNet "
                             rf"width 16 x 1 layers, {re.escape(run)}: \d+ s so far, about \d+ s left", line), line
     assert err[-1].endswith("about 0 s left") and len(err) == 5
+
+
+V100_P100 = {"emulate": True, "nodes": [{"devices": ["V100-32GB", "P100-16GB"]}]}
+
+
+def _two_stage_plan():
+    """TinyLM cut in 2 stages on the emulated V100 + P100 (no profile: the plan counts the stages as equal work,
+    the P100 stage 15.7/10.6 slower: busy 100% and 68%)."""
+    from whale.cluster import ClusterSpec
+
+    return wh.plan_model(TinyLM(stage_layers=(1, 1)), 2, wh.Config(cluster=ClusterSpec.from_dict(V100_P100)))
+
+
+def test_simulate_warns_when_plan_and_simulation_disagree_on_busy_shares():
+    """No processes: the plan's busy shares against a simulated prediction's, with the stated 10-point limit."""
+    from whale.plan.simulate import Prediction
+    from whale.simulate_cli import busy_disagreement, busy_shares
+
+    plan = _two_stage_plan()
+    assert [round(u, 4) for u in plan.predicted_utilization] == [0.6752, 1.0]
+    pred = Prediction(step=1.0, schedule=0.9, stage_fwd=(0.1, 0.1), stage_bwd=(0.2, 0.2), rank_busy=(0.8, 0.4),
+                      rank_idle=(0.2, 0.6))
+    assert busy_shares(pred) == [1.0, 0.5]
+    assert busy_disagreement(pred, plan, 2) == (
+        "warning: the plan and the simulation disagree on the busy share (compute over the busiest rank's) by more "
+        "than 10%: stage 0 rank(s) 0 (V100-32GB): plan 68%, simulation 100%; stage 1 rank(s) 1 (P100-16GB): plan "
+        "100%, simulation 50%. Likely reason: the plan weighs every stage as equal work (the plan was made without a "
+        "profile); the simulation uses this machine's calibrated seconds, with fixed costs per layer call and per "
+        "segment that at 2 row(s) per micro-batch weigh most on the stages with the most layers; the plan's stage "
+        "cut balances FLOPs, not these seconds")
+    close = Prediction(step=1.0, schedule=0.9, stage_fwd=(0.1, 0.1), stage_bwd=(0.2, 0.2), rank_busy=(0.6, 0.85),
+                       rank_idle=(0.4, 0.15))
+    assert busy_disagreement(close, plan, 2) is None  # 71% vs 68%, 100% vs 100%: within 10 points
+
+
+def test_timeline_rows_name_rank_device_stage_and_lane(tmp_path):
+    from whale.plan.simulate import Prediction
+    from whale.simulate_cli import plot_timeline, row_labels
+
+    plan = _two_stage_plan()
+    assert row_labels(plan, 2) == ["rank 0 · V100-32GB · stage 0 lane 0", "rank 1 · P100-16GB · stage 1 lane 0"]
+    plain = wh.plan_model(TinyLM(stage_layers=(2,)), 2, wh.Config())
+    assert row_labels(plain, 2) == ["rank 0 · stage 0 lane 0", "rank 1 · stage 0 lane 1"]
+    pred = Prediction(step=1.0, schedule=0.9, stage_fwd=(0.1, 0.1), stage_bwd=(0.2, 0.2), rank_busy=(0.3, 0.3),
+                      rank_idle=(0.7, 0.7), timeline=((0, "F", "F0", 0.0, 0.1), (1, "F", "F0", 0.1, 0.2),
+                                                      (1, "B", "B0", 0.2, 0.4), (0, "B", "B0", 0.4, 0.6)))
+    png = tmp_path / "t.png"
+    assert plot_timeline(pred, str(png), plan=plan) == row_labels(plan, 2)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_whale_simulate_prints_the_plan_before_the_prediction(tmp_path, monkeypatch, capsys):
+    """The CLI on a seeded calibration (every unit type of the model timed, engine fits given: no processes,
+    nothing measured): the plan's printout, exactly as whale plan gives it, then the prediction; no progress
+    line (nothing is measured)."""
+    from examples.gpt.model import for_plan
+    from whale.cli import main
+    from whale.frontend import hwplan
+    from whale.frontend.calibrate import unit_keys
+    from whale.plan.calibration import Calibration, EngineTiming, UnitTiming, machine_key, model_signature, save
+
+    kw = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
+    model, batch, loss = for_plan(**kw)
+    keys = unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True)
+    units = {k: UnitTiming(1e-4, 2e-4, 1e-3, 2e-3) for k in keys.values()}
+    path = tmp_path / "cal.json"
+    save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8, units=units,
+                     engine=EngineTiming(), model_engines={model_signature(keys): EngineTiming()}), path)
+    monkeypatch.setenv("WHALE_CALIBRATION", str(path))
+    args = ["--model", "examples.gpt.model:for_plan", "--world", "2", "--micro-batches", "2", "--cluster",
+            "examples/clusters/v100_p100_2.yaml", "--args", *[f"{k}={v}" for k, v in kw.items()]]
+    assert main(["plan", *args]) == 0
+    plan_text = capsys.readouterr().out.split("\nschedule (per stage):")[0]
+    png = tmp_path / "t.png"
+    assert main(["simulate", *args, "--png", str(png), "--cores", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(plan_text + "\n\nEMULATED cluster") and err == ""
+    assert "\n rank  device           busy s   idle s  idle %  busy*  peak MB\n" in out
+    assert out.rstrip().endswith(f"timeline written to {png}")
+    # the seeded units cost alike (1 ms + 2 ms fixed per call): the P100 stage runs 4 units (tok_emb, pos_emb,
+    # drop, blocks.0, as the cut lists them), the V100 stage 4 with the loss; the plan's FLOPs see blocks alone
+    assert ("\nwarning: the plan and the simulation disagree on the busy share (compute over the busiest rank's) "
+            "by more than 10%: stage 1 rank(s) 0 (V100-32GB): plan 88%, simulation 68%. Likely reason: the plan "
+            "weighs each stage's FLOPs at its devices' peak FLOP/s, linear in the rows;") in out
+
+
+def test_simulated_stages_hold_the_units_the_cut_gave_them():
+    """A unit without parameters (the GPT's dropout after the embeddings) is simulated on the stage the cut put
+    it in, not on the last stage (no processes)."""
+    from examples.gpt.model import for_plan
+    from whale.cluster import ClusterSpec
+    from whale.frontend import hwplan
+    from whale.frontend.simcost import stage_units
+
+    model, batch, loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
+    plan = wh.plan_model(model, 2, wh.Config(num_micro_batch=2, cluster=ClusterSpec.from_dict(V100_P100)),
+                         sample_batch=batch, loss_fn=loss)
+    units = [[u.name for u in us] for us in stage_units(hwplan.profile(model, batch, loss_fn=loss), plan, model)]
+    assert [list(c.units) for c in plan.stage_cuts] == [["tok_emb", "pos_emb", "drop", "blocks.0"],
+                                                        ["blocks.1", "ln_f", "lm_head"]]
+    assert units == [["tok_emb", "pos_emb", "drop", "blocks.0"], ["blocks.1", "ln_f", "lm_head", "<rest>"]]
