@@ -12,13 +12,15 @@ it with ``torch.export`` to cut the stages. Launch from the repo root (``make tr
 Every rank draws the same global batch; the inputs are keyword arguments (``input_ids``, ``use_cache=False``),
 exactly what one would pass to the model; the loss is the token-mean cross-entropy of ``wh.token_cross_entropy``
 on the output's ``.logits``. Rank 0 prints the plan, progress, held-out losses and writes a JSON summary.
+The run checkpoints to ``--ckpt-dir`` at the end (and every ``--ckpt-every`` steps); ``--resume`` continues from
+the latest complete checkpoint with the loss trajectory of an uninterrupted run (model, optimizer, RNG, step,
+data position and history restored by the GPT example's helpers; ``--stop-after`` stops early as if interrupted).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -35,35 +37,62 @@ import transformers  # noqa: E402
 
 import whale as wh  # noqa: E402
 from examples.gpt.data import DEFAULT_DATA_DIR, TokenBatches, eval_batches, load_tokens  # noqa: E402
-from examples.gpt.train import prepare_data  # noqa: E402
+from examples.gpt.train import ResumeError, lr_at, lr_horizon, maybe_resume, prepare_data, save  # noqa: E402
+
+
+def _at_least(low: int):
+    """An argparse ``type``: an int >= ``low``, else the flag's error naming the value, the limit and the fix."""
+    def check(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    check.__name__ = "int"  # argparse names the type in its own messages
+    return check
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit 4 CPU processes on 2 cores in a few minutes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--steps", type=int, default=200)
-    a("--batch-size", type=int, default=32, help="global batch (sequences per step, all ranks together)")
-    a("--seq-len", type=int, default=128)
-    a("--layers", type=int, default=4)
-    a("--hidden", type=int, default=128)
-    a("--heads", type=int, default=4)
-    a("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
-    a("--vocab-size", type=int, default=2048, help="BPE vocabulary of the Shakespeare tokenizer")
-    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup 5%%, cosine to 10%%)")
-    a("--micro-batches", type=int, default=4)
-    a("--stages", type=int, default=2, help="pipeline stages: decoder layers split evenly by wh.annotate")
-    a("--split", type=int, default=1,
+    one, zero = _at_least(1), _at_least(0)
+    a("--steps", type=one, default=200, help="optimizer steps in total (a resumed run continues to it)")
+    a("--stop-after", type=one, default=None,
+      help="stop (with a checkpoint) after this step, as if interrupted; --resume continues to --steps")
+    a("--batch-size", type=one, default=32, help="global batch (sequences per step, all ranks together)")
+    a("--seq-len", type=one, default=128)
+    a("--layers", type=one, default=4)
+    a("--hidden", type=one, default=128)
+    a("--heads", type=one, default=4)
+    a("--kv-heads", type=one, default=2, help="key/value heads (grouped-query attention)")
+    a("--vocab-size", type=one, default=2048, help="BPE vocabulary of the Shakespeare tokenizer")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine to 10%%)")
+    a("--warmup", type=zero, default=None, help="warmup steps (default: 5%% of --steps)")
+    a("--micro-batches", type=one, default=4)
+    a("--stages", type=one, default=2, help="pipeline stages: decoder layers split evenly by wh.annotate")
+    a("--split", type=one, default=1,
       help="devices per stage: each stage's lanes also shard its attention heads and MLPs (tensor parallel); "
            "the world size must be a multiple of stages x split")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
-    a("--eval-every", type=int, default=100)
-    a("--eval-batches", type=int, default=4)
+    a("--eval-every", type=zero, default=100, help="held-out evaluation every N steps (0: at the start and end only)")
+    a("--eval-batches", type=one, default=4)
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))
     a("--cluster", default=None, help="cluster spec (YAML); whale launch --cluster sets it too")
+    a("--ckpt-dir", default="checkpoints/hf_llama")
+    a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir, if any "
+      "(under this run's plan: another world size, --stages or cluster re-plans and reshards it)")
     a("--summary", default="runs/hf_llama_summary.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for what, n, d in (("--hidden", args.hidden, args.heads), ("--heads", args.heads, args.kv_heads)):
+        if n % d:
+            by = "--heads" if what == "--hidden" else "--kv-heads"
+            p.error(f"{what} {n} is not a multiple of {by} {d}: pass {by} dividing it or {what} a multiple of {d}")
+    if args.layers % args.stages:
+        p.error(f"--layers {args.layers} is not a multiple of --stages {args.stages}; pass --stages dividing it "
+                f"or --layers a multiple of {args.stages}")
+    return args
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -75,9 +104,6 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         max_position_embeddings=args.seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = transformers.LlamaForCausalLM(cfg)
     if args.stages > 1 or args.split > 1:
-        if args.layers % args.stages:
-            raise ValueError(f"--layers {args.layers} is not a multiple of --stages {args.stages}; pass --stages "
-                             f"dividing it (e.g. 2) or --layers a multiple of {args.stages}")
         per, mapping = args.layers // args.stages, {}
         for s in range(args.stages):
             with wh.replicate(args.split) as stage:
@@ -97,15 +123,6 @@ def keyword(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[dict, torch.Tenso
     return {"input_ids": x, "use_cache": False}, y
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup over 5% of the steps, then cosine from ``--lr`` to ``--lr``/10."""
-    warm = max(1, args.steps // 20)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, args.steps - warm))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def evaluate(engine: wh.Engine, val_tokens, args: argparse.Namespace) -> float:
     """Mean held-out loss over a fixed set of batches (collective: every rank calls it)."""
     batches = eval_batches(val_tokens, args.eval_batches, args.batch_size, args.seq_len)
@@ -113,8 +130,41 @@ def evaluate(engine: wh.Engine, val_tokens, args: argparse.Namespace) -> float:
     return sum(losses) / len(losses)
 
 
+def train(engine: wh.Engine, args, batches: TokenBatches, val_tokens, start: int, end: int, state: dict) -> dict:
+    """Steps ``start..end-1`` (the LR the GPT example's schedule under the run's horizon); returns ``state``
+    with the held-out curve ``val``, ``train_loss`` and ``train_time``; checkpoints every ``--ckpt-every``."""
+    rank0 = engine.rank == 0
+    plain = not sys.stderr.isatty()
+    bar = tqdm(total=args.steps, initial=start, disable=not rank0 or plain, desc="train", unit="step",
+               dynamic_ncols=True)
+    for step in range(start, end):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step, args, state["lr_horizon"])
+        m = engine.step(keyword(next(batches)))
+        state["train_time"] += m["step_time"]
+        state["train_loss"].append(m["loss"])
+        bar.set_postfix(loss=f"{m['loss']:.3f}")
+        bar.update(1)
+        done = step + 1
+        if plain and rank0 and (done % 25 == 0 or done == end):
+            print(f"step {done}/{args.steps} loss {m['loss']:.4f}", flush=True)
+        if (args.eval_every and done % args.eval_every == 0) or done == end:
+            state["val"].append([done, evaluate(engine, val_tokens, args)])
+            if rank0:
+                bar.write(f"step {done}: held-out loss {state['val'][-1][1]:.4f}")
+        if args.ckpt_every and done % args.ckpt_every == 0 and done != end:
+            save(engine, args, done, batches, state)
+    bar.close()
+    return state
+
+
 def run(argv: list[str] | None = None) -> dict:
-    """Train and evaluate; rank 0 returns (and writes) the summary."""
+    """Train and evaluate (resuming with ``--resume``), checkpoint at the end; rank 0 returns (and writes) the
+    summary.
+
+    Raises:
+        ResumeError: the checkpoint is already at or past ``--steps``.
+    """
     args = parse_args(argv)
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
                             cluster=args.cluster))
@@ -127,32 +177,24 @@ def run(argv: list[str] | None = None) -> dict:
     rank0 = ctx.rank == 0
     if rank0:
         print(f"LlamaForCausalLM: {sum(p.numel() for p in model.parameters()):,} parameters\n{engine.plan}", flush=True)
-    val = [(0, evaluate(engine, val_tokens, args))]
-    plain = not sys.stderr.isatty()
-    bar = tqdm(total=args.steps, disable=not rank0 or plain, desc="train", unit="step", dynamic_ncols=True)
-    t_train, losses = 0.0, []
-    for step in range(args.steps):
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        m = engine.step(keyword(next(batches)))
-        t_train += m["step_time"]
-        losses.append(m["loss"])
-        bar.set_postfix(loss=f"{m['loss']:.3f}")
-        bar.update(1)
-        done = step + 1
-        if plain and rank0 and (done % 25 == 0 or done == args.steps):
-            print(f"step {done}/{args.steps} loss {m['loss']:.4f}", flush=True)
-        if done % args.eval_every == 0 or done == args.steps:
-            val.append((done, evaluate(engine, val_tokens, args)))
-            if rank0:
-                bar.write(f"step {done}: held-out loss {val[-1][1]:.4f}")
-    bar.close()
-    tok_s = args.steps * args.batch_size * args.seq_len / max(t_train, 1e-9)
-    summary = dict(initial_val_loss=val[0][1], final_val_loss=val[-1][1], val_curve=val, train_loss=losses,
-                   tokens_per_s=tok_s, world_size=ctx.world_size, stages=engine.plan.num_stages,
-                   capture=engine.plan.capture, config=vars(args))
+    start, state = maybe_resume(engine, args, batches)
+    if start >= args.steps:
+        raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
+                          f"nothing to do; pass --steps larger than {start} to train further")
+    if "val" not in state:  # a fresh run (a resumed one has its history)
+        state.update(val=[[0, evaluate(engine, val_tokens, args)]], train_loss=[], train_time=0.0)
+    state["lr_horizon"] = lr_horizon(args, state.get("lr_horizon"))
+    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
+    state = train(engine, args, batches, val_tokens, start, end, state)
+    save(engine, args, end, batches, state)
+    val = state["val"]
+    tok_s = len(state["train_loss"]) * args.batch_size * args.seq_len / max(state["train_time"], 1e-9)
+    summary = dict(initial_val_loss=val[0][1], final_val_loss=val[-1][1], val_curve=val, train_loss=state["train_loss"],
+                   tokens_per_s=tok_s, steps=end, resumed_from=start, world_size=ctx.world_size,
+                   stages=engine.plan.num_stages, capture=engine.plan.capture, config=vars(args))
     if rank0:
-        print(f"held-out loss {val[0][1]:.4f} -> {val[-1][1]:.4f}; {tok_s:,.0f} tokens/s")
+        print(f"held-out loss {val[0][1]:.4f} -> {val[-1][1]:.4f}; {tok_s:,.0f} tokens/s; "
+              f"checkpoint in {args.ckpt_dir}")
         os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=2))
         print(f"summary written to {args.summary}")
@@ -166,7 +208,7 @@ def main() -> None:
     """Run the job; a configuration error prints one line (rank 0) and exits with status 2."""
     try:
         run()
-    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ValueError) as exc:
+    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ResumeError, ValueError) as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if dist.is_initialized():

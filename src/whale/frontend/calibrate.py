@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -27,6 +28,12 @@ from whale.frontend.hwplan import profile, sample_rows
 from whale.frontend.profile import ModelProfile, default_units
 from whale.plan import calibration as cal
 from whale.plan.calibration import ENGINE_VERSION, Calibration, UnitTiming
+
+
+def progress(message: str) -> None:
+    """One line of what the calibration is measuring, on stderr (``whale calibration: ...``, flushed): the first
+    calibration on a machine takes minutes, and says so before the long work."""
+    print(f"whale calibration: {message}", file=sys.stderr, flush=True)
 
 
 def _cpu_seconds(fn, repeats: int) -> float:
@@ -287,6 +294,7 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
     cached = cal.load(key)
     calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
     if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
+        progress("measuring local gloo latency and bandwidth, once per machine (2 processes, a few seconds)")
         calib, changed = dataclasses.replace(calib, **measure_comm()), True
     if comm and measure_engine and (calib.engine is None or calib.engine.version != ENGINE_VERSION):
         from whale.frontend.calibrate_engine import calibrate_engine
@@ -294,6 +302,8 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
         calib, changed = calibrate_engine(calib), True
     missing = keys is None or any(k not in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn)
     if model is not None and sample_batch is not None and missing:
+        progress(f"timing the layer-unit types of {type(model).__name__} not cached yet, forward and backward at "
+                 "3 row counts (seconds)")
         timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
         if timings:
             calib, changed = calib.with_units(timings), True

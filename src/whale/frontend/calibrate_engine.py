@@ -37,7 +37,7 @@ import tempfile
 import torch
 from torch import nn
 
-from whale.plan.calibration import Calibration, EngineTiming
+from whale.plan.calibration import Calibration, EngineTiming, cache_path
 
 STRETCH = 8.0
 """``1 + slowdown`` of the stretched calibration runs (the benchmark's emulated ranks run at 8-32)."""
@@ -50,6 +50,8 @@ SPLIT_SAMPLE = (64, 2)
 """``(width, split)`` of the 2-rank split calibration runs' :class:`CalibrationNet` (its MLP split in two)."""
 MICRO_BATCHES, SPLIT_MICRO_BATCHES = (1, 4, 16), (1, 2, 4)
 BATCH, SEQ, VOCAB = 16, 32, 512
+MACHINE_MINUTES = 2
+"""Measured minutes of :func:`calibrate_engine` on 2 cores (the estimate its first progress line gives)."""
 MODEL_ROWS = 16
 """At most this many rows of a model's sample batch feed its own engine fit (:func:`calibrate_model`): the
 scales are per unit second, and a job's full batch would make the stretched runs take minutes."""
@@ -145,6 +147,8 @@ def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int, 
 
 
 def _worker(rank: int, world: int, init_file: str, runs: list[tuple], queue) -> None:
+    """Run ``runs`` on this spawned rank; rank 0 reports ``(rank, "done", i)`` after run ``i``, then every
+    rank its results (or its exception)."""
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -153,33 +157,67 @@ def _worker(rank: int, world: int, init_file: str, runs: list[tuple], queue) -> 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        queue.put((rank, [_run(*r) for r in runs]))
+        out = []
+        for i, r in enumerate(runs):
+            out.append(_run(*r))
+            if rank == 0:
+                queue.put((rank, "done", i))
+        queue.put((rank, "result", out))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, exc))
+        queue.put((rank, "result", exc))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _spawn(world: int, runs: list[tuple], timeout: float = 600.0) -> list[list[dict]]:
-    """``runs`` (``_run``'s arguments) on ``world`` spawned gloo processes; per rank, the results.
+def _describe(run: tuple) -> str:
+    """A calibration run in words, e.g. ``CalibrationNet width 64 x 2 layers, 4 micro-batch(es), stretched 8x``."""
+    sample, m, slowdowns = run[:3]
+    what = (f"CalibrationNet width {sample[0]}" + (f" x {sample[2]} layers" if sample[1] <= 1 else
+                                                   f", MLP split over {sample[1]}")) if isinstance(sample[0], int) \
+        else f"{type(sample[0]).__name__} data parallel"
+    speed = "without waits" if not any(slowdowns) else "stretched " + "/".join(f"{1 + s:g}x" for s in slowdowns)
+    return f"{what}, {m} micro-batch(es), {speed}"
+
+
+def _progress(what: str, runs: list[tuple], done: int, elapsed: float) -> None:
+    """The progress line after ``done`` of ``runs`` (seconds ``elapsed``): the run, and the time left at the
+    mean pace so far."""
+    from whale.frontend.calibrate import progress
+
+    left = elapsed / done * (len(runs) - done)
+    progress(f"{what} [{done}/{len(runs)}] {_describe(runs[done - 1])}: {elapsed:.0f} s so far, about "
+             f"{left:.0f} s left")
+
+
+def _spawn(world: int, runs: list[tuple], timeout: float = 600.0, what: str = "engine run") -> list[list[dict]]:
+    """``runs`` (``_run``'s arguments) on ``world`` spawned gloo processes; per rank, the results. A progress line
+    on stderr after each run (:func:`whale.frontend.calibrate.progress`, prefixed ``what``).
 
     Raises:
         RuntimeError: a process failed or gave nothing within ``timeout`` seconds.
     """
     import queue as q
+    import time
 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("WHALE_SCRATCH")) as tmp:
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), runs, queue))
                  for r in range(world)]
         for p in procs:
             p.start()
+        got: dict = {}
         try:
-            got = dict(queue.get(timeout=timeout) for _ in range(world))
+            while len(got) < world:
+                rank, kind, value = queue.get(timeout=timeout)
+                if kind == "done":
+                    _progress(what, runs, value + 1, time.perf_counter() - t0)
+                else:
+                    got[rank] = value
         except q.Empty:
             raise RuntimeError(f"engine calibration gave no result within {timeout:.0f} s") from None
         finally:
@@ -281,16 +319,19 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
     stretched by :data:`STRETCH`) in one spawned process, 2-rank split runs (:data:`SPLIT_MICRO_BATCHES`) in
     two; the calibration models' unit types are timed too (:func:`whale.frontend.calibrate.calibrate_units`).
     About 2 minutes on 2 cores; nothing is saved here."""
-    from whale.frontend.calibrate import calibrate_units
+    from whale.frontend.calibrate import calibrate_units, progress
 
+    runs = [((d, 0, n), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d, n in SAMPLES for m in MICRO_BATCHES]
+    split_runs = [(SPLIT_SAMPLE, m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES]
+    progress(f"measuring this machine's engine fit, once (cached in {cache_path()}): {len(runs)} one-rank and "
+             f"{len(split_runs)} two-rank engine runs of calibration models, about {MACHINE_MINUTES} min on 2 cores")
     for sample in [(d, 0, n) for d, n in SAMPLES] + [SPLIT_SAMPLE]:
         model, batch, loss = _sample(*sample)
         timings, _ = calibrate_units(model, batch, loss, known=calib.units)
         calib = calib.with_units(timings)
-    single = _spawn(1, [((d, 0, n), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d, n in SAMPLES
-                        for m in MICRO_BATCHES])[0]
-    split = [r for rank in _spawn(2, [(SPLIT_SAMPLE, m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES])
-             for r in rank]
+    single = _spawn(1, runs, what="machine engine fit, one-rank run")[0]
+    split = [r for rank in _spawn(2, split_runs, what="machine engine fit, split run") for r in rank] \
+        if split_runs else []
     eng, fields = fit_engine(single, split, calib)
     return dataclasses.replace(calib, engine=eng, **fields)
 
@@ -317,10 +358,15 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
     if not covers(calib, unit_keys(model, sample_batch, None, loss_fn, tracked), loss_fn):
         raise ValueError("the calibration lacks some of this model's unit timings; calibrate its units first "
                          "(whale.frontend.calibrate.calibration)")
+    from whale.frontend.calibrate import progress
+
     full = sample_rows(sample_batch)
     sample = (model, _rows_of(sample_batch, min(full, MODEL_ROWS), full), loss_fn)
-    got = _spawn(2, [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL)
-                     for m in SPLIT_MICRO_BATCHES])
+    runs = [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL) for m in SPLIT_MICRO_BATCHES]
+    progress(f"measuring the engine fit of this model ({type(model).__name__}), once per model (cached in "
+             f"{cache_path()}): {len(runs)} two-rank data-parallel runs of its first {min(full, MODEL_ROWS)} rows, "
+             "40 s to 4 min on 2 cores by its size")
+    got = _spawn(2, runs, what="model engine fit, run")
     runs = [r for rank in got for r in rank]
     machine = calib.engine or EngineTiming()
     fixed = {f"{h}{d}_overhead": getattr(machine, f"{h}{d}_overhead") for h in ("", "hot_") for d in ("fwd", "bwd")}

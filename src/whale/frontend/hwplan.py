@@ -183,13 +183,17 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
                    _placement_note(types, placed, names, exact))
 
 
-def _unit_stages(prof: ModelProfile, stage_params: list[set[str]]) -> list[int]:
-    """Stage of each profiled unit: the first stage holding one of its parameters (the last stage otherwise)."""
-    out = []
+def _unit_stages(prof: ModelProfile, stage_params: list[set[str]], cuts: tuple[StageCut, ...] = ()) -> list[int]:
+    """Stage of each profiled unit: the stage whose hardware-aware cut lists it (``cuts[s].units``), else the
+    first stage holding one of its parameters; a unit without parameters (a dropout) goes with the unit before
+    it, as the graph cut places it (stage 0 when it is the first)."""
+    named = {name: s for s, cut in enumerate(cuts) for name in cut.units}
+    out: list[int] = []
     for u in prof.units:
         prefix = u.name + "."
-        out.append(next((s for s, names in enumerate(stage_params)
-                         if any(n == u.name or n.startswith(prefix) for n in names)), len(stage_params) - 1))
+        held = next((s for s, names in enumerate(stage_params)
+                     if any(n == u.name or n.startswith(prefix) for n in names)), None)
+        out.append(named.get(u.name, held if held is not None else out[-1] if out else 0))
     return out
 
 
@@ -200,10 +204,11 @@ def stage_param_names(cuts: tuple[StageCut, ...], model: nn.Module) -> list[set[
     return [{n for n, _ in model.named_parameters(remove_duplicate=False)}]
 
 
-def stage_flops(prof: ModelProfile, stage_params: list[set[str]]) -> tuple[float, ...]:
-    """Training FLOPs per sample of each stage (units by the stage holding their parameters; the rest last)."""
+def stage_flops(prof: ModelProfile, stage_params: list[set[str]],
+                cuts: tuple[StageCut, ...] = ()) -> tuple[float, ...]:
+    """Training FLOPs per sample of each stage (units by :func:`_unit_stages`; the rest last)."""
     out = [0.0] * len(stage_params)
-    for u, stage in zip(prof.units, _unit_stages(prof, stage_params), strict=True):
+    for u, stage in zip(prof.units, _unit_stages(prof, stage_params, cuts), strict=True):
         out[stage] += u.train_flops
     out[-1] += prof.rest.train_flops
     return tuple(out)

@@ -142,7 +142,7 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
         plan = with_zero_weights(plan, capacity)
     else:
         params = hwplan.stage_param_names(plan.stage_cuts, model)
-        plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params))
+        plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params, plan.stage_cuts))
         plan = _fit(model, plan, cluster, config, memplan.stage_memories(prof, model, params,
                     plan.activation_checkpoint), hwplan.sample_rows(sample_batch))
     return expert_memory_counts(plan, capacity), stages  # experts per device within memory (MoE under split)

@@ -48,7 +48,7 @@ def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[U
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     out: list[list[UnitProfile]] = [[] for _ in range(plan.num_stages)]
-    where = hwplan._unit_stages(prof, params) if plan.is_pipeline else [0] * len(prof.units)
+    where = hwplan._unit_stages(prof, params, plan.stage_cuts) if plan.is_pipeline else [0] * len(prof.units)
     for u, s in zip(prof.units, where, strict=True):
         out[s].append(u)
     out[-1].append(prof.rest)

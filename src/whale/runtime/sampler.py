@@ -18,11 +18,14 @@ Typical use::
         sampler.set_epoch(epoch)
         for local in loader:
             engine.step_local(local, global_batch=64)
+
+Mid-epoch resume: ``sampler.state_dict()`` (epoch, global batches taken this epoch, seed and the order's shape)
+goes into the checkpoint's ``extra``; a new sampler's ``load_state_dict(saved)`` continues the epoch with
+exactly the global batches not yet taken, under the same plan or another (world size, stages, shares).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -46,7 +49,8 @@ def local_rows(plan: Plan, rank: int, global_batch: int) -> list[int]:
 
 
 class _Nones:
-    """``steps`` times ``None``: a middle pipeline stage's "loader" (it loads nothing)."""
+    """One ``None`` per step the sampler yields: a middle pipeline stage's "loader" (it loads nothing; iterating
+    it moves the sampler's position as a loading stage's does)."""
 
     def __init__(self, sampler: PlanSampler) -> None:
         self.sampler = sampler
@@ -55,7 +59,36 @@ class _Nones:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[None]:
-        return itertools.repeat(None, len(self.sampler))
+        for _ in self.sampler:
+            yield None
+
+
+class PlanLoader:
+    """``DataLoader(dataset, batch_sampler=sampler)`` that tells the sampler how many batches were delivered.
+
+    A DataLoader with workers draws indices ahead of the batches it hands out (``prefetch_factor`` per worker),
+    so the sampler alone would count batches not trained on yet; iterating this loader sets the sampler's
+    :attr:`PlanSampler.position` to the batches delivered instead. Other attributes are the DataLoader's.
+    """
+
+    def __init__(self, sampler: PlanSampler, loader: DataLoader) -> None:
+        self.sampler, self.loader = sampler, loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator:
+        start = self.sampler._start
+        self.sampler._delivered = start
+        try:
+            for batch in self.loader:
+                self.sampler._delivered += 1
+                yield batch
+        finally:
+            self.sampler._position, self.sampler._delivered = self.sampler._delivered, None
 
 
 class PlanSampler(Sampler[list[int]]):
@@ -82,6 +115,14 @@ class PlanSampler(Sampler[list[int]]):
     Attributes:
         loads: whether this rank needs data (stage 0 needs inputs, the last stage targets).
 
+    Resuming: :meth:`state_dict` / :meth:`load_state_dict` save and restore the epoch, the position in it
+    (:attr:`position`, global batches taken) and the order's inputs; the next iteration after a load yields
+    the epoch's remaining global batches. Global batch ``k`` of an epoch is the same set of samples under every
+    plan (the plan only decides which rows of it a rank takes), so a resume under another plan, world size or
+    stage layout continues with exactly the samples not yet seen this epoch. Refused (``ValueError``): another
+    dataset length, ``shuffle``, ``drop_last`` or seed (another order), and another ``global_batch`` except at an
+    epoch boundary.
+
     Raises:
         ValueError: ``global_batch`` < 1, or a dataset smaller than one global batch with ``drop_last``.
         PlanError: the global batch does not divide into the plan's micro-batches or leaves a lane empty.
@@ -96,6 +137,7 @@ class PlanSampler(Sampler[list[int]]):
                              f"{global_batch}: use a smaller global batch or drop_last=False")
         self.dataset_len, self.rank, self.global_batch = dataset_len, rank, global_batch
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+        self._start, self._position, self._delivered = 0, 0, None  # see position, load_state_dict, PlanLoader
         self.plan = plan
 
     @property
@@ -116,8 +158,46 @@ class PlanSampler(Sampler[list[int]]):
         self.loads = stage in (0, plan.num_stages - 1)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order (call it before each epoch, with the same value on every rank)."""
+        """Use epoch ``epoch``'s order (call it before each epoch, with the same value on every rank). Another
+        epoch than the current one starts at its first global batch; the current one keeps a loaded position."""
+        if epoch != self.epoch:
+            self._start = self._position = 0
         self.epoch = epoch
+
+    @property
+    def position(self) -> int:
+        """Global batches of the current epoch taken so far: yielded by this sampler, or delivered by its
+        :meth:`loader` while that is being iterated (a DataLoader's workers draw indices ahead)."""
+        return self._position if self._delivered is None else self._delivered
+
+    def state_dict(self) -> dict:
+        """Plain-python resume state: ``{"epoch", "position", "seed", "global_batch", "dataset_len", "shuffle",
+        "drop_last"}`` (equal on every rank that iterated alike; put it in a checkpoint's ``extra``)."""
+        return dict(epoch=self.epoch, position=self.position, seed=self.seed, global_batch=self.global_batch,
+                    dataset_len=self.dataset_len, shuffle=self.shuffle, drop_last=self.drop_last)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`, maybe saved under another plan or world size): the next
+        iteration yields epoch ``state["epoch"]``'s global batches from ``state["position"]`` on.
+
+        Raises:
+            ValueError: the state's dataset length, ``shuffle``, ``drop_last`` or seed differs from this
+                sampler's (another order of the samples), or its ``global_batch`` does mid-epoch.
+        """
+        for key in ("dataset_len", "shuffle", "drop_last", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"the sampler state has {key}={state[key]!r} but this PlanSampler has "
+                                 f"{key}={getattr(self, key)!r}: the epoch's order would differ; build the sampler "
+                                 f"with {key}={state[key]!r} to resume")
+        if state["global_batch"] != self.global_batch and state["position"]:
+            raise ValueError(f"the sampler state is {state['position']} global batch(es) of {state['global_batch']} "
+                             f"into epoch {state['epoch']} but this PlanSampler's global batch is {self.global_batch}: "
+                             f"resume mid-epoch with global_batch={state['global_batch']} (any plan or world size "
+                             f"works), or change it at an epoch boundary")
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"the sampler state's position {state['position']} is outside epoch of {len(self)} "
+                             "global batches")
+        self.epoch, self._start, self._position = int(state["epoch"]), int(state["position"]), int(state["position"])
 
     def __len__(self) -> int:
         """Steps (global batches) per epoch."""
@@ -132,15 +212,20 @@ class PlanSampler(Sampler[list[int]]):
         return torch.randperm(self.dataset_len, generator=g).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        """Per step, this rank's dataset indices (``len(local_rows(...))`` of them)."""
+        """Per step, this rank's dataset indices (``len(local_rows(...))`` of them), from the loaded position
+        (:meth:`load_state_dict`; once) or the epoch's first global batch."""
         order = self.order()
         steps, b = len(self), self.global_batch
         if steps * b > len(order):  # complete the last global batch from the start (drop_last=False)
             order += (order * (steps * b // max(len(order), 1) + 1))[: steps * b - len(order)]
-        for s in range(steps):
+        start, self._start = self._start, 0
+        self._position = start
+        for s in range(start, steps):
+            self._position = s + 1  # taken once it is handed out
             yield [order[s * b + r] for r in self._positions]
 
-    def loader(self, dataset, **kwargs) -> DataLoader | _Nones:
-        """``DataLoader(dataset, batch_sampler=self, **kwargs)`` where this rank loads data; on a middle
-        pipeline stage an iterable of ``len(self)`` ``None`` (pass them to ``engine.step_local`` as they are)."""
-        return DataLoader(dataset, batch_sampler=self, **kwargs) if self.loads else _Nones(self)
+    def loader(self, dataset, **kwargs) -> PlanLoader | _Nones:
+        """A :class:`PlanLoader` (``DataLoader(dataset, batch_sampler=self, **kwargs)`` counting the batches it
+        delivers) where this rank loads data; on a middle pipeline stage an iterable of one ``None`` per step
+        (pass them to ``engine.step_local`` as they are)."""
+        return PlanLoader(self, DataLoader(dataset, batch_sampler=self, **kwargs)) if self.loads else _Nones(self)
