@@ -120,13 +120,13 @@ class GradientUpdate:
         for p in self._unbucketed:
             p.grad = None
 
-    def _global_norm(self, flag: float = 0.0) -> tuple[float, float]:
-        """The global gradient norm (every distinct gradient element once over the world), and ``flag``
-        summed over the world in the same all-reduce."""
+    def _global_norm(self, flag: float | None = None) -> tuple[float, float | None]:
+        """The global gradient norm (every distinct gradient element once over the world), and ``flag`` (when
+        given) summed over the world in the same all-reduce."""
         grads = [p.grad.detach().float() for p in self._norm_owner if p.grad is not None]
         sq = float(torch.stack([g.pow(2).sum() for g in grads]).sum()) if grads else 0.0  # one device sync
-        total, flags = self._global_sum([sq, flag])
-        return total ** 0.5, flags
+        total, *flags = self._global_sum([sq] + ([] if flag is None else [flag]))
+        return total ** 0.5, flags[0] if flags else None
 
     def _clip(self, norm: float) -> float:
         """Clip the gradients to global norm ``config.max_grad_norm`` given their global ``norm``; returns it."""
