@@ -6,7 +6,8 @@ every rank before the update, with the weights of the step before (one-process r
 every rank with later steps matching a one-process reference that skips the same step; an all-ignored
 micro-batch under a plain mean loss points to wh.token_cross_entropy; a non-scalar loss raises on every rank.
 Each route the flag takes is covered: no flag (DP, loss fused into the bucket), the loss all-reduce (tied
-pipeline; fp16), clipping's norm all-reduce (ZeRO-2, ZeRO-3) and its own all-reduce (untied pipeline).
+pipeline; fp16; a split head), clipping's norm all-reduce (ZeRO-2, ZeRO-3) and its own all-reduce (untied
+pipeline).
 """
 
 from __future__ import annotations
@@ -284,3 +285,36 @@ def test_skip_skips_the_same_step_everywhere_and_then_matches_one_process(spec):
         assert len(warned) == (1 if rank == 0 else 0)
     assert results[0][3][0].startswith(f"whale: step {spec['at']} skipped (no optimizer step, gradients zeroed): "
                                        f"a gradient is not finite (the losses are): {spec['names']}")
+
+
+# --- a split head: a NaN in ONE rank's shard of its gradient ---------------------------------------------------
+def _split_shard(rank, world):
+    from tests.test_split_runtime import Classifier
+
+    ctx = wh.init(wh.Config())
+    model = Classifier(classes=10)
+    ref = copy.deepcopy(model)
+    engine = wh.parallelize(model, wh.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    step = [0]
+    if rank == 1:  # only this rank's shard of the head gets a NaN gradient at step 1
+        shard = dict(engine.module.named_parameters())["head.sharded.weight"]
+        shard.register_hook(lambda g: torch.full_like(g, math.nan) if step[0] == 1 else g)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(2)]
+    engine.step(batches[0])
+    step[0] += 1
+    message = _error(lambda: engine.step(batches[1]), wh.NonFiniteError)
+    full = engine.full_state_dict()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(batches[0][0]), batches[0][1]).backward()
+    ref_opt.step()
+    for name, t in full.items():  # rank 0 only: the weights after step 0
+        torch.testing.assert_close(t, ref.state_dict()[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    return message
+
+
+def test_a_nan_in_one_split_shard_raises_on_every_rank():
+    messages = run_ranks(_split_shard, 2)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("step 1: a gradient is not finite (the losses are): the gradient of "
+                                  "'head.weight (shard 1)' holds NaN. ")  # its original name

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from whale.runtime.batch import tensors
+from whale.runtime.fqn_state import model_slots
 
 _SHAPE, _LOSS, _GRAD = 0, 1, 2  # kinds, in order of precedence: the lowest code over the world is named
 _SPAN = 2.0 ** 30  # codes: kind * _SPAN + position (exact in float64)
@@ -101,8 +102,11 @@ def _stand_in(loss, output) -> torch.Tensor:
 
 
 def param_names(module: torch.nn.Module, zero) -> dict[int, str]:
-    """``id(tensor) -> FQN`` for this rank's parameters and, under ZeRO, its pieces (named by their owner)."""
+    """``id(tensor) -> FQN in the unannotated model`` for this rank's parameters (a split shard's with its
+    position, e.g. ``head.weight (shard 1)``) and, under ZeRO, its pieces (named by their owner)."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    for slot in reversed(model_slots(module)):  # the first of a tied parameter's names wins
+        names[id(slot.tensor)] = slot.name + (f" (shard {slot.pos})" if slot.dim is not None else "")
     for shards in (zero, getattr(zero, "tied", None)):
         for pc in getattr(shards, "pieces", ()):
             names[id(pc.param)] = names.get(id(pc.owner), "a tied parameter")
@@ -216,7 +220,7 @@ class NonFiniteGuard:
                 kinds = [k for k, bad in (("NaN", g.isnan().any()), ("inf", g.isinf().any())) if bool(bad)]
                 stage = f" (stage {self.stage})" if self.num_stages > 1 else ""
                 code = _GRAD * _SPAN + (self.num_stages - 1 - self.stage) * 2.0 ** 20 + len(held) - 1 - i
-                return code, f"the gradient of {self.names.get(id(held[i]), 'a parameter')!r}{stage} holds " \
+                return code, f"the gradient of '{self.names.get(id(held[i]), 'a parameter')}'{stage} holds " \
                              f"{' and '.join(kinds)}"
         return math.inf, ""
 
