@@ -58,7 +58,7 @@ def test_benchmark_measured_sync_bytes_match_analytic():
     tensors = len(list(build(SMALL["classes"], SMALL["features"], SMALL["width"], False, SMALL["blocks"],
                              SMALL["hidden"]).parameters()))
     assert st["dp"]["used_flag_bytes"] == FP32 * tensors  # one "used" flag per parameter tensor
-    same_batch_check = 9 * 8  # first steps: failure flag + 4-value fingerprint and its negation, float64
+    same_batch_check = 11 * 8  # first steps: failure flag + 5-value fingerprint and its negation, float64
     assert sum(st["dp"]["tap_bytes"].values()) == (st["dp"]["sync_bytes"] + st["dp"]["fused_loss_bytes"]
                                                    + st["dp"]["used_flag_bytes"] + same_batch_check)
     assert st["dp"]["losses"] == pytest.approx(st["split"]["losses"], rel=1e-5)

@@ -36,11 +36,13 @@ _LAZY = {
     "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
     "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
     "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
+    "NonFiniteError": "whale.runtime.nonfinite", "LossShapeError": "whale.runtime.nonfinite",
 }
 
 __all__ = [
     "AnnotationError", "BatchError", "CheckpointError", "Config", "ConfigError", "Context",
-    "EmulatedOutOfMemoryError", "Engine", "LossScale", "MoE", "OptimizerError", "Plan", "PlanError", "PlanSampler",
+    "EmulatedOutOfMemoryError", "Engine", "LossScale", "LossShapeError", "MoE", "NonFiniteError", "OptimizerError",
+    "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
     "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
     "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",

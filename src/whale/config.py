@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
 from whale.plan.schedule import SCHEDULES, ScheduleName
+
+NonFiniteName = Literal["raise", "skip"]
+NONFINITE_POLICIES: tuple[NonFiniteName, ...] = ("raise", "skip")
+"""What a training step does when a loss or gradient is NaN/inf (``Config.nonfinite``)."""
 
 
 class ConfigError(ValueError):
@@ -125,6 +129,13 @@ class Config:
         timeout_s: seconds a collective may wait for its peers before it fails (the process group's
             ``timeout``), so a rank that died or raised ends every rank instead of leaving them waiting; ``None``:
             torch's default (10 min on gloo/NCCL). Applies when :func:`whale.init` creates the process group.
+        nonfinite: what a training step does when a loss or a gradient is NaN/inf (checked on every rank before
+            the optimizer step: :mod:`whale.runtime.nonfinite`). ``"raise"`` (the default): every rank raises
+            :class:`whale.NonFiniteError` naming the step, the first non-finite tensor and the fix; the weights
+            and the optimizer state are those before the step. ``"skip"``: every rank skips the optimizer step
+            and zeroes the gradients, rank 0 warns, and the step's metrics say ``"skipped": True`` (an LR
+            scheduler the user steps still advances, as with ``torch.amp.GradScaler``'s skipped steps). Under
+            fp16 an overflowing gradient with a finite loss stays the loss scaler's (skipped, scale backed off).
     """
 
     num_micro_batch: int = 1
@@ -147,6 +158,7 @@ class Config:
     offload: OffloadName = "none"
     timeout_s: float | None = None
     auto: bool = False
+    nonfinite: NonFiniteName = "raise"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -195,6 +207,9 @@ class Config:
                               "default collective timeout")
         if self.auto not in (True, False):
             raise ConfigError(f"auto={self.auto!r} must be True or False")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite={self.nonfinite!r} is unknown; choose 'raise' (stop every rank with an "
+                              "error naming the first NaN/inf tensor) or 'skip' (skip the step's update everywhere)")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -82,15 +82,20 @@ def batch_size(batch) -> int:
 
 def fingerprint(batch) -> list[float]:
     """Cheap, fixed-length summary of a batch (float64): how many tensors, their elements, the sum of their
-    values and a position-weighted sum (so reordered rows differ)."""
+    values, a position-weighted sum (so reordered rows differ) and a position-weighted sum of where the NaN,
+    +inf and -inf values are (codes 1, 2, 3). The sums are over the finite values (NaN and inf count as 0), so
+    identical batches holding NaN or inf agree (a NaN sum never equals itself) and different ones still differ."""
     ts = tensors(batch[0]) + tensors(batch[1])
-    out = [float(len(ts)), 0.0, 0.0, 0.0]
+    out = [float(len(ts)), 0.0, 0.0, 0.0, 0.0]
     for t in ts:
         flat = t.detach().reshape(-1).to(torch.float64)
         weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(101).add_(1)
+        codes = torch.isnan(flat).double() + torch.isposinf(flat).double() * 2 + torch.isneginf(flat).double() * 3
+        flat = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
         out[1] += flat.numel()
         out[2] += float(flat.sum())
         out[3] += float(flat.dot(weights))
+        out[4] += float(codes.dot(weights))
     return out
 
 
@@ -120,7 +125,7 @@ def agree_on(values: list[float], world_size: int, device: torch.device,
 
 def agree_on_batch(batch, world_size: int, device: torch.device, error: Exception | None = None) -> None:
     """Collective: raise on EVERY rank when some rank's batch was refused (``error``, raised locally before any
-    communication) or the ranks were given different batches. One all-reduce of 10 float64 values (the max of a
+    communication) or the ranks were given different batches. One all-reduce of 11 float64 values (the max of a
     failure flag and of the fingerprint and its negation, :func:`agree_on`).
 
     Raises:

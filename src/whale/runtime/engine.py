@@ -37,6 +37,7 @@ from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
 from whale.runtime.local import local_take, local_work
 from whale.runtime.mesh import Mesh
+from whale.runtime.nonfinite import nonfinite_guard
 from whale.runtime.offload import device_keyed, host_offload, params_on_device
 from whale.runtime.optim import bind_optimizer
 from whale.runtime.precision import MixedPrecision
@@ -113,12 +114,11 @@ class Engine(GradientUpdate):
                                                     self.module)  # ZeRO: parallel/zero.py, zero3.py
         bucketed = {id(p) for b in self.grad_sync.buckets for p in b.params}
         self._unbucketed = [p for p in self.module.parameters() if id(p) not in bucketed]
-        self._norm_owner = norm_owned_params(plan, self.module, self.mesh, self.split.params)
-        if self.zero is not None:
-            self._norm_owner = self.zero.norm_params(self._norm_owner)
-        links = StageLinks(self.stage, plan.num_stages)
-        self.executor = StageExecutor(self.module, links, loss_fn, ctx.device, self.split.counts_loss(plan, self.lane),
-                                      self._arm)
+        owners = norm_owned_params(plan, self.module, self.mesh, self.split.params)
+        self._norm_owner = self.zero.norm_params(owners) if self.zero is not None else owners
+        self.nonfinite = nonfinite_guard(self, loss_fn)  # NaN/inf losses and gradients: runtime/nonfinite.py
+        self.executor = StageExecutor(self.module, StageLinks(self.stage, plan.num_stages), self.nonfinite.loss_fn,
+                                      ctx.device, self.split.counts_loss(plan, self.lane), self._arm)
         self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
         self.executor.precision = self.precision if self.precision.dtype is not None else None
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
@@ -211,8 +211,9 @@ class Engine(GradientUpdate):
         Returns:
             ``{"loss": mean loss over the global batch, "step_time": s, "schedule_time": s, "busy_time": s of
             this rank's compute, "samples": global batch size, "stage": s, "lane": l, "sync_bytes": gradient
-            bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, and under fp16 ``"loss_scale"``
-            (the scale for the next step) and ``"skipped"`` (an overflow anywhere skipped this update), and when
+            bytes all-reduced by this rank}``, ``"grad_norm"`` when clipping, under fp16 ``"loss_scale"`` (the
+            scale for the next step), under fp16 or ``Config(nonfinite="skip")`` ``"skipped"`` (an overflow or a
+            NaN/inf anywhere skipped this update; then also ``"nonfinite"``: the first NaN/inf tensor), and when
             memory is measured ``"peak_memory_bytes"``, ``"memory"``, ``"memory_category_peaks"``
             (``MemoryMonitor.end_step``).
 
@@ -221,6 +222,7 @@ class Engine(GradientUpdate):
             BatchError: inputs and target of different row counts, or (checked on the first 3 steps) ranks
                 given different batches; every rank raises, none is left waiting.
             EmulatedOutOfMemoryError: emulated cluster: a rank's measured peak over its memory (all raise).
+            NonFiniteError, LossShapeError: a NaN/inf loss or gradient, a non-scalar loss (all ranks raise).
         """
         start = time.perf_counter()
         work = self._checked_micro_batches(batch, "step")
@@ -249,11 +251,7 @@ class Engine(GradientUpdate):
                 needs the split group's targets: use :meth:`step`).
         """
         start = time.perf_counter()
-        return self._train(self._local_work(batch, global_batch, "local"), start, global_batch)
-
-    def _local_work(self, batch, global_batch: int, kind: str, metrics: dict | None = None) -> MicroBatches:
-        """This rank's micro-batches from its local rows (:func:`whale.runtime.local.local_work`)."""
-        return local_work(self, batch, global_batch, kind, metrics)
+        return self._train(local_work(self, batch, global_batch, "local"), start, global_batch)
 
     def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
         """The body of :meth:`step` and :meth:`step_local`, its memory measured (:attr:`memory`)."""
@@ -265,6 +263,7 @@ class Engine(GradientUpdate):
         """Run the schedule on ``work``, reduce gradients and update."""
         before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
+        self.nonfinite.start()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
@@ -281,8 +280,8 @@ class Engine(GradientUpdate):
         if norm is not None:
             out["grad_norm"] = norm
         if self.precision.scaler is not None:
-            out.update(loss_scale=float(self.precision.scaler.scale), skipped=skipped)
-        return out
+            out["loss_scale"] = float(self.precision.scaler.scale)
+        return out | self.nonfinite.metrics(skipped, self.precision.scaler is not None)
 
     @torch.no_grad()
     def eval_step(self, batch, metrics: dict[str, Callable] | None = None) -> dict:
@@ -302,7 +301,7 @@ class Engine(GradientUpdate):
     def eval_step_local(self, batch, global_batch: int, metrics: dict[str, Callable] | None = None) -> dict:
         """:meth:`eval_step` with each rank given only its own rows, as in :meth:`step_local` (same arguments,
         result and errors)."""
-        return self._evaluate(lambda: self._local_work(batch, global_batch, "local_eval", metrics), metrics)
+        return self._evaluate(lambda: local_work(self, batch, global_batch, "local_eval", metrics), metrics)
 
     def _evaluate(self, make_work: Callable[[], MicroBatches], metrics: dict | None) -> dict:
         """Run the forwards on ``make_work()`` with every module in eval mode; sum loss and metrics globally."""
@@ -310,6 +309,7 @@ class Engine(GradientUpdate):
         modes = [(m, m.training) for r in roots for m in r.modules()]  # the user's own modes come back afterwards
         for r in roots:
             r.eval()
+        self.nonfinite.start()
         try:
             forwards = [a for a in self.actions if a.kind == "F"]
             with params_on_device(self.offload):
@@ -320,7 +320,9 @@ class Engine(GradientUpdate):
             if self.zero is not None:
                 self.zero.release()  # ZeRO-3: the root unit stays gathered after a forward
         names = list(metrics or {})
-        values = self._global_sum([result.loss_sum] + [result.metric_sums.get(k, 0.0) for k in names])
+        values = self._global_sum([result.loss_sum] + [result.metric_sums.get(k, 0.0) for k in names]
+                                  + [self.nonfinite.refused()])
+        self.nonfinite.after_eval(values.pop(), self.steps_done)  # a non-scalar loss: every rank raises
         return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
 
     # --- measurements ------------------------------------------------------------------------------------

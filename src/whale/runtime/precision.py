@@ -20,6 +20,8 @@ and halve its scale while the other stages and shards step and keep theirs: the 
 kernel GradScaler uses (``torch._amp_foreach_non_finite_check_and_unscale_``), the flags are summed over the
 whole world in the all-reduce that already sums the step's loss, and every rank applies the same global flag
 with GradScaler's update rule (``torch._amp_update_scale_``): the same skip and the same scale everywhere.
+The non-finite check's loss flag (:mod:`whale.runtime.nonfinite`) rides on that all-reduce too: a NaN/inf loss
+(computed in fp32, unscaled) is no overflow a smaller scale cures, so it follows ``Config(nonfinite)``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ reads the engine's parts (``grad_sync``, ``optimizer``, ``precision``, ``zero``,
 decides nothing the plan does not say. Order matters for collectives: every rank launches its gradient
 collectives first (``grad_sync.finish``), then the loss all-reduce (which, under fp16, also carries every
 rank's overflow flag), then clipping's norm all-reduce, so every group sees the same order on all its members.
+Before any update every rank checks its losses and gradients for NaN/inf (:mod:`whale.runtime.nonfinite`); the
+flag rides on one of those all-reduces (the rule, the same on every rank, is in :meth:`_apply_gradients`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ class GradientUpdate:
                 and self.grad_sync.can_carry_extra  # never in a bf16/fp16 bucket: the loss stays fp32
                 and self.precision.scaler is None)  # fp16: the loss's all-reduce also carries the overflow flag
 
+    def _loss_early(self) -> bool:
+        """Whether pipeline stage 0 starts the loss all-reduce in its last backward (the same on every rank)."""
+        return self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None
+
     def _arm(self, loss_sum: float) -> None:
         """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
         stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
         stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
         backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
-        if self.stage == 0 and self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None:
+        if self.stage == 0 and self._loss_early():
             self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
@@ -52,31 +58,53 @@ class GradientUpdate:
         return self._start_sum(values)()
 
     def _apply_gradients(self, loss_sum: float) -> tuple[float, float | None, bool]:
-        """Unscale (fp16), clip and step with this rank's reduced gradients, zero them, and sum the loss over
-        the world. Under fp16 the overflow flags of every rank ride on the loss's all-reduce, so every rank
-        skips the same steps and keeps the same scale (:mod:`whale.runtime.precision`).
+        """Check (:mod:`whale.runtime.nonfinite`), unscale (fp16), clip and step with this rank's reduced
+        gradients, zero them, and sum the loss over the world. Under fp16 the overflow flags of every rank ride
+        on the loss's all-reduce, so every rank skips the same steps and keeps the same scale
+        (:mod:`whale.runtime.precision`); the non-finite flag rides on it too, or on clipping's.
 
         Returns:
             ``(global loss, gradient norm before clipping or None, whether the step was skipped)``.
+
+        Raises:
+            NonFiniteError, LossShapeError: on every rank, before the optimizer step.
         """
-        fused, scaler = self._fuse_loss(), self.precision.scaler
+        fused, scaler, clip = self._fuse_loss(), self.precision.scaler, self.ctx.config.max_grad_norm
+        same = fused and self.plan.zero < 2  # every rank holds the whole reduced gradients and the global loss
+        checked = [] if scaler is not None else list(self.module.parameters()) if same else self._norm_owner
         flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self._grad_holders()
                                                             if p.grad is not None])]
-        # overlaps clipping and the update (not fp16); stage 0 of a pipeline may have started it in _arm
-        total = None if fused else self._loss_started or self._start_sum([loss_sum] + flags)
+        flags.append(self.nonfinite.local(checked, float(self.grad_sync.extra[0]) if same else None))
+        ride = scaler is not None or not (same or clip or fused or self._loss_early())  # on the loss all-reduce
+        # overlaps clipping and the update unless it carries the flags; stage 0 of a pipeline may have started it
+        total = None if fused else self._loss_started or self._start_sum([loss_sum] + (flags if ride else []))
         self._loss_started = None
-        skipped = False
+        loss, norm = None, None
+        if ride:
+            loss, *flags = total()
+        elif clip:
+            norm, flags[-1] = self._global_norm(flags[-1])
+        elif not same:
+            flags[-1:] = self._global_sum(flags[-1:])
+        skipped = flags[-1] > 0
+        if skipped:  # the rare path: every rank names the first non-finite tensor, then raises or skips
+            if not (ride or fused):
+                loss = total()[0]  # no collective left pending
+            try:
+                self.nonfinite.act(checked, self.steps_done)
+            finally:
+                self._zero_grad()  # also when raising: the next step starts clean
         if scaler is not None:
-            loss, overflows = total()
-            skipped = overflows > 0
-            scaler.update(skipped)
-        norm = self._clip() if self.ctx.config.max_grad_norm and not skipped else None
+            skipped = skipped or flags[0] > 0
+            scaler.update(flags[0] > 0)
+        if clip and not skipped:
+            norm = self._clip(norm if norm is not None else self._global_norm()[0])
         if not skipped:
             (self.offload.step if self.offload is not None else self.optimizer.step)()  # offload: on the host
             if self.zero is not None:
                 self.zero.gather()  # every lane's updated slices to every lane
         self._zero_grad()
-        if scaler is None:
+        if loss is None:
             (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
         return loss, norm, skipped
 
@@ -92,12 +120,16 @@ class GradientUpdate:
         for p in self._unbucketed:
             p.grad = None
 
-    def _clip(self) -> float:
-        """Clip the global gradient norm to ``config.max_grad_norm``; returns the norm before clipping."""
+    def _global_norm(self, flag: float | None = None) -> tuple[float, float | None]:
+        """The global gradient norm (every distinct gradient element once over the world), and ``flag`` (when
+        given) summed over the world in the same all-reduce."""
         grads = [p.grad.detach().float() for p in self._norm_owner if p.grad is not None]
         sq = float(torch.stack([g.pow(2).sum() for g in grads]).sum()) if grads else 0.0  # one device sync
-        (total,) = self._global_sum([sq])
-        norm = total ** 0.5
+        total, *flags = self._global_sum([sq] + ([] if flag is None else [flag]))
+        return total ** 0.5, flags[0] if flags else None
+
+    def _clip(self, norm: float) -> float:
+        """Clip the gradients to global norm ``config.max_grad_norm`` given their global ``norm``; returns it."""
         coef = self.ctx.config.max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in self._grad_holders():
