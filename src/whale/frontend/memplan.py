@@ -14,8 +14,6 @@ that fit, placing the plan for each candidate with its rows and ZeRO shares chos
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
 from whale.cluster import ClusterSpec, memory_capacity
@@ -159,8 +157,7 @@ def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], glob
 
     def place(opt: MemoryOptions) -> Plan:
         """The plan with ``opt`` recorded and its rows and ZeRO shares fitted within memory."""
-        placed = dataclasses.replace(ordered, zero=opt.zero, offload=opt.offload)
-        return fit_shares(placed, stages, global_batch, opt, capacity, host, speeds, cluster.inter_node_bandwidth,
+        return fit_shares(ordered, stages, global_batch, opt, capacity, host, speeds, cluster.inter_node_bandwidth,
                           keep_lane_weights=keep)
 
     allowed = tuple(config.forbid) + tuple(f for f in ("zero3", "offload", "offload_params") if not supported(f))

@@ -143,8 +143,12 @@ def _room_shares(stage: list[Cell], r: list[int], names: tuple[str, ...]) -> lis
 def _greedy(cells: list[list[Cell]], rows: int, lo: list[int], hi: list[int], limit: float) -> list[int] | None:
     """Rows (within ``lo``..``hi``) maximizing the shares every lane can take at step time ``limit``; ``None``
     when those shares cannot add up to 1 (or the rows do not fit)."""
+    seen: dict[tuple[int, int], float] = {}
+
     def room(lane: int, k: int) -> float:
-        return min(stage[lane].share_room(k, limit) for stage in cells)
+        if (lane, k) not in seen:
+            seen[lane, k] = min(stage[lane].share_room(k, limit) for stage in cells)
+        return seen[lane, k]
     r = list(lo)
     if any(room(lane, k) < 0 for lane, k in enumerate(r)):
         return None
@@ -217,8 +221,8 @@ def solve(cells: list[list[Cell]], rows: int, fixed_rows: list[int] | None = Non
 def fit_shares(plan: Plan, stages: list[StageMemory], global_batch: int, options: MemoryOptions,
                capacity: list[float], host_capacity: list[float], speeds: list[float], lane_bandwidth: float,
                keep_lane_weights: bool = False) -> Plan:
-    """A new plan: ``plan`` (devices ordered, ``zero``/``offload`` = ``options``) with lane rows and ZeRO
-    weights chosen together within memory (:func:`solve`), and its predicted utilization.
+    """A new plan: ``plan`` (devices ordered) with ``options``' ZeRO stage and offload recorded, its lane rows
+    and ZeRO weights chosen together within memory (:func:`solve`), and its predicted utilization.
 
     Args:
         capacity / host_capacity: bytes per rank (host: its share of its node's memory; empty: unbounded).
@@ -244,10 +248,10 @@ def fit_shares(plan: Plan, stages: list[StageMemory], global_batch: int, options
         rows.append(tuple(float(k) for k in r))
         for s, f in zip(group, shares, strict=True):
             zero[s] = tuple(x / max(f) for x in f)
-    out = plan
+    fields: dict = {"zero": options.zero, "offload": options.offload}
     if not keep_lane_weights:
-        out = dataclasses.replace(out, **({"lane_weights": rows[0]} if plan.uniform_width else
-                                          {"stage_lane_weights": tuple(rows)}))
+        fields.update({"lane_weights": rows[0]} if plan.uniform_width else {"stage_lane_weights": tuple(rows)})
     if options.zero:
-        out = dataclasses.replace(out, zero_weights=tuple(zero))
+        fields["zero_weights"] = tuple(zero)
+    out = dataclasses.replace(plan, **fields)
     return dataclasses.replace(out, predicted_utilization=predicted_utilization(out, speeds))
