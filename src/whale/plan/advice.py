@@ -40,6 +40,19 @@ class Shortfall:
     detail: str = ""
 
 
+def worst_rank(options: str, ranks: list[tuple[float, float, float]], capacity: list[float],
+               host_capacity: list[float], names: tuple[str, ...] = ()) -> Shortfall:
+    """The rank whose device (or host) bytes take the largest fraction of its capacity; ``ranks``: per rank
+    (device bytes, host bytes, device bytes that scale with its rows), ``host_capacity`` empty: unbounded."""
+    ratios = [(dev / capacity[r], r, False) for r, (dev, _, _) in enumerate(ranks)] + \
+        ([(host / max(host_capacity[r], 1.0), r, True) for r, (_, host, _) in enumerate(ranks)] if host_capacity
+         else [])
+    _, r, on_host = max(ratios)
+    dev, host, act = ranks[r]
+    return Shortfall(options, r, names[r] if names else "", on_host, host if on_host else dev,
+                     host_capacity[r] if on_host else capacity[r], act)
+
+
 def infeasible_message(short: Shortfall, forbid: tuple[str, ...], floor_offload: str, micro_batches: int,
                        rows_per_micro_batch: int) -> str:
     """One line: what does not fit (rank, device, bytes needed vs available) and the fixes that apply.
@@ -51,11 +64,12 @@ def infeasible_message(short: Shortfall, forbid: tuple[str, ...], floor_offload:
     """
     who = f"rank {short.rank}" + (f" ({short.device})" if short.device else "")
     where = "host" if short.host else "device"
-    text = (f"no allowed combination of memory techniques fits: even {short.options} leaves {who} needing "
-            f"{format_bytes(short.need_bytes)} of {where} memory, it has {format_bytes(short.has_bytes)} "
-            f"(lacks {format_bytes(max(0.0, short.need_bytes - short.has_bytes))})")
     if short.detail:
-        text += f" [{short.detail}]"
+        text = f"no allowed combination of memory techniques fits: even with {short.options}, {short.detail}"
+    else:
+        text = (f"no allowed combination of memory techniques fits: even {short.options} leaves {who} needing "
+                f"{format_bytes(short.need_bytes)} of {where} memory, it has {format_bytes(short.has_bytes)} "
+                f"(lacks {format_bytes(max(0.0, short.need_bytes - short.has_bytes))})")
     fixes = []
     if short.host:
         fixes.append(f"more host memory for {who} (host_memory_bytes of its node in the cluster spec)")

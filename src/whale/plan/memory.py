@@ -54,7 +54,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from whale.plan.advice import Shortfall, infeasible_message
+from whale.plan.advice import Shortfall, infeasible_message, worst_rank
 from whale.plan.balance import InfeasiblePlanError
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
@@ -321,18 +321,6 @@ class _Tried:
         return self.worst.need_bytes / max(self.worst.has_bytes, 1.0)
 
 
-def _worst(opt: MemoryOptions, ranks: list[RankMemory], capacity: list[float], host: list[float],
-           names: tuple[str, ...]) -> Shortfall:
-    """The rank whose device (or host) bytes take the largest fraction of its capacity."""
-    ratios = [(m.device_total / capacity[r], r, False) for r, m in enumerate(ranks)] + \
-        ([(m.host / max(host[r], 1.0), r, True) for r, m in enumerate(ranks)] if host else [])
-    _, r, on_host = max(ratios)
-    m = ranks[r]
-    act = m.device.get("activations", 0.0) + m.device.get("temporaries", 0.0)
-    return Shortfall(opt.describe(), r, names[r] if names else "", on_host, m.host if on_host else m.device_total,
-                     host[r] if on_host else capacity[r], act)
-
-
 def _try(opt: MemoryOptions, place, stages, global_batch, capacity, host_capacity, speeds, lane_bandwidth,
          names) -> _Tried:
     """Place ``opt`` and predict its memory and step seconds (``inf`` and the error when it cannot be placed)."""
@@ -346,7 +334,9 @@ def _try(opt: MemoryOptions, place, stages, global_batch, capacity, host_capacit
     ranks = plan_memory(plan, stages, global_batch, opt)
     cost = step_seconds(plan, stages, global_batch, opt, speeds, lane_bandwidth)
     return _Tried(cost, opt, plan, ranks, shortfalls(ranks, capacity, host_capacity),
-                  _worst(opt, ranks, capacity, host_capacity, names))
+                  worst_rank(opt.describe(), [(m.device_total, m.host, m.device.get("activations", 0.0) +
+                                               m.device.get("temporaries", 0.0)) for m in ranks],
+                             capacity, host_capacity, names))
 
 
 def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[StageMemory], global_batch: int,
