@@ -3,13 +3,15 @@
 The model comes from a factory ``package.module:function`` that returns a model, ``(model, sample_batch)`` or
 ``(model, sample_batch, loss_fn)`` so that the planner can profile it, the loss too (memory-aware shares and
 techniques, speed-balanced pipeline cuts on a mixed cluster).
-``key=value`` arguments after ``--args`` are passed to the factory (ints and floats are converted).
+``key=value`` arguments after ``--args`` are passed to the factory (ints and floats are converted; a value
+that does not match the parameter's annotation or default type is refused naming the argument and the type).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 
 from whale.plan.memory import FORBIDDEN
@@ -24,6 +26,56 @@ def _value(text: str):
         except ValueError:
             pass
     return text
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _expected(param: inspect.Parameter) -> type | None:
+    """The type a factory parameter takes: its annotation (int, float, bool or str, also as a string) or,
+    without one, its default's type; ``None`` when neither says."""
+    ann = param.annotation
+    ann = _TYPES.get(ann, None) if isinstance(ann, str) else ann
+    if ann in _TYPES.values():
+        return ann
+    default = param.default
+    return type(default) if default is not inspect.Parameter.empty and type(default) in _TYPES.values() else None
+
+
+def factory_kwargs(factory, pairs: list[list[str]], spec: str) -> dict:
+    """``--args`` KEY=VALUE pairs as the factory's keyword arguments: ints and floats converted, each checked
+    against the parameter's annotation or default type.
+
+    Raises:
+        ValueError: one line naming the argument, the value, the type it expects (and the factory's
+            parameters for an unknown name).
+    """
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out = {}
+    for key, text in pairs:
+        value = _value(text)
+        if params and key not in params and not open_kwargs:
+            raise ValueError(f"--args {key}={text}: {spec} takes no argument {key!r}; it takes "
+                             f"{', '.join(params) or 'none'}")
+        want = _expected(params[key]) if key in params else None
+        if want is bool and text.lower() in ("true", "false", "1", "0"):
+            value = text.lower() in ("true", "1")
+        elif want is float and isinstance(value, int):
+            value = float(value)
+        elif want is str:
+            value = text
+        if want is not None and not isinstance(value, want):
+            raise ValueError(f"--args {key}={text}: {key} takes {_EXAMPLE[want][0]} (e.g. {key}={_EXAMPLE[want][1]}),"
+                             f" got {text!r}")
+        out[key] = value
+    return out
+
+
+_EXAMPLE = {int: ("an int", "4"), float: ("a float", "0.1"), bool: ("a bool", "true"), str: ("a string", "name")}
 
 
 def load_factory(spec: str):
@@ -44,7 +96,8 @@ def _make_plan(ns: argparse.Namespace):
     pairs = [kv.split("=", 1) for kv in ns.args]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"--args takes KEY=VALUE pairs, got {ns.args}")
-    made = load_factory(ns.model)(**{k: _value(v) for k, v in pairs})
+    factory = load_factory(ns.model)
+    made = factory(**factory_kwargs(factory, pairs, ns.model))
     model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
     config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,

@@ -8,13 +8,11 @@ the backward temporaries of the stage's units counted from the moment its backwa
 rank holds: the received gradient, the gradients of activations, the loss's gradient of the logits).
 
 :func:`fit_memory` asks :func:`whale.plan.memory.choose_memory_options` for the cheapest allowed techniques
-that fit, placing the plan for each candidate with exact memory-constrained shares (:func:`apply_hardware`) under a
-:class:`MemoryModel` of that candidate, and records the choice in the plan.
+that fit, placing the plan for each candidate with its rows and ZeRO shares chosen together within memory
+(:func:`whale.plan.fit.fit_shares`), and records the choice in the plan.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from torch import nn
 
@@ -23,17 +21,15 @@ from whale.config import Config
 from whale.frontend.profile import ModelProfile
 from whale.memory.checkpointing import repeated_layers
 from whale.memory.host import host_memory_capacity
-from whale.plan.hardware import MemoryModel, apply_hardware
+from whale.plan.fit import fit_shares
+from whale.plan.hardware import apply_hardware
 from whale.plan.memory import (
     MemoryChoice,
     MemoryOptions,
     StageMemory,
     choose_memory_options,
-    rank_memory,
-    stage_activation,
 )
 from whale.plan.plan import Plan
-from whale.plan.zero import with_zero_weights
 
 
 def _inside(name: str, targets: tuple[str, ...]) -> bool:
@@ -141,44 +137,30 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
     return out
 
 
-def memory_model(stages: list[StageMemory], options: MemoryOptions, global_batch: int, lanes: list[int]) -> MemoryModel:
-    """The balancer's :class:`MemoryModel` under ``options``: fixed bytes with an even share of the sharded
-    state over each stage's ``lanes``, per-sample bytes kept in flight, recomputed and transient bytes."""
-    fixed, per, again = [], [], []
-    for st, n in zip(stages, lanes, strict=True):
-        one = rank_memory(st, 0, 1, 1.0 / n, options)
-        fixed.append(one.device_total)
-        kept, peak = stage_activation(st, options)
-        per.append(kept)
-        again.append(peak - kept)
-    return MemoryModel(global_batch, fixed, per, again)
-
-
 def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], global_batch: int, config: Config,
                floor: MemoryOptions, supported) -> MemoryChoice:
     """The plan balanced for ``cluster`` with the cheapest allowed memory techniques that fit.
 
     ``floor``: what the user set (kept); ``config.forbid``: what must not be added; ``supported(options)``:
-    whether the runtime runs a combination.
+    whether the runtime runs a combination. Each candidate's rows and ZeRO shares are chosen together within
+    every rank's device and host memory (:func:`whale.plan.fit.fit_shares`).
 
     Raises:
-        InfeasiblePlanError: no allowed combination fits (names the best one and its shortfall).
+        InfeasiblePlanError: no allowed combination fits (names the closest one, the rank, its device, the bytes
+            and the fixes that apply).
     """
     capacity = [memory_capacity(cluster, r) for r in range(plan.world_size)]
     host = [host_memory_capacity(cluster, r) for r in range(plan.world_size)]
-    lanes = [plan.lanes_of(s) for s in range(plan.num_stages)]
     keep = config.load_shares is not None
+    speeds = [d.flops("fp32" if plan.precision == "fp32" else "bf16") for d in cluster.devices()]
+    ordered = apply_hardware(plan, cluster, None, keep_lane_weights=keep)  # device order, split shard sizes
 
     def place(opt: MemoryOptions) -> Plan:
-        """The plan balanced under ``opt``'s memory model, with ``opt`` recorded and ZeRO weights set."""
-        placed = apply_hardware(plan, cluster, memory_model(stages, opt, global_batch, lanes), keep_lane_weights=keep)
-        placed = dataclasses.replace(placed, zero=opt.zero, offload=opt.offload)
-        act = [[w / sum(placed.weights_of(s)) * global_batch * stages[s].activation_bytes
-                for w in placed.weights_of(s)] for s in range(plan.num_stages)]
-        return with_zero_weights(placed, capacity, act)
+        """The plan with ``opt`` recorded and its rows and ZeRO shares fitted within memory."""
+        return fit_shares(ordered, stages, global_batch, opt, capacity, host, speeds, cluster.inter_node_bandwidth,
+                          keep_lane_weights=keep)
 
     allowed = tuple(config.forbid) + tuple(f for f in ("zero3", "offload", "offload_params") if not supported(f))
-    speeds = [d.flops("fp32" if plan.precision == "fp32" else "bf16") for d in cluster.devices()]
     return choose_memory_options(place, stages, global_batch, floor, tuple(dict.fromkeys(allowed)), capacity, host,
-                                 speeds, cluster.inter_node_bandwidth)
-
+                                 speeds, cluster.inter_node_bandwidth, tuple(d.name for d in cluster.devices()),
+                                 plan.num_micro_batch)

@@ -54,6 +54,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from whale.plan.advice import Shortfall, infeasible_message, worst_rank
 from whale.plan.balance import InfeasiblePlanError
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
@@ -214,7 +215,9 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
                  speeds: list[float], lane_bandwidth: float) -> float:
     """Seconds per step of the slowest rank: its rows' compute (``train_flops``) at its device's speed plus what
     ``options`` add (see the module docstring). A measure to compare options and the lane shares their
-    placements give, not the full step-time model (no pipeline bubbles or overlap).
+    placements give, not the full step-time model (no pipeline bubbles or overlap). A lane's share of the
+    sharded state is its fraction of the plan's ZeRO weights (the whole elements the runtime cuts differ by at
+    most a few elements).
 
     Args:
         speeds: FLOP/s per rank; lane_bandwidth: bytes/s of the links between a stage's lanes.
@@ -222,7 +225,8 @@ def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, optio
     worst = 0.0
     for s, st in enumerate(stages):
         lanes = plan.lanes_of(s)
-        shares = lane_shares(plan, s, st.trainable_elements)
+        weights = zero_shard_weights(plan, s)
+        shares = [w / sum(weights) for w in weights]
         for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
             rows = sum(b - a for a, b in ranges)
             flops = st.train_flops + (st.recompute_flops if options.activation_checkpoint else 0.0)
@@ -300,55 +304,93 @@ class MemoryChoice:
     reasons: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class _Tried:
+    """One combination tried: its step seconds (``inf``: not placed), plan, per-rank memory, shortfall lines,
+    and the worst rank's :class:`~whale.plan.advice.Shortfall` with its ratio of need to capacity."""
+
+    cost: float
+    opt: MemoryOptions
+    plan: Plan | None
+    ranks: list[RankMemory] | None
+    short: list[str]
+    worst: Shortfall
+
+    @property
+    def ratio(self) -> float:
+        return self.worst.need_bytes / max(self.worst.has_bytes, 1.0)
+
+
+def _try(opt: MemoryOptions, place, stages, global_batch, capacity, host_capacity, speeds, lane_bandwidth,
+         names) -> _Tried:
+    """Place ``opt`` and predict its memory and step seconds (``inf`` and the error when it cannot be placed)."""
+    try:
+        plan = place(opt)
+    except InfeasiblePlanError as e:
+        on_host = " of host memory" in str(e).split(":")[0]
+        short = Shortfall(opt.describe(), e.device, names[e.device] if names and e.device < len(names) else "",
+                          on_host, e.need_bytes, e.capacity_bytes, 1.0, str(e))
+        return _Tried(float("inf"), opt, None, None, [str(e)], short)
+    ranks = plan_memory(plan, stages, global_batch, opt)
+    cost = step_seconds(plan, stages, global_batch, opt, speeds, lane_bandwidth)
+    return _Tried(cost, opt, plan, ranks, shortfalls(ranks, capacity, host_capacity),
+                  worst_rank(opt.describe(), [(m.device_total, m.host, m.device.get("activations", 0.0) +
+                                               m.device.get("temporaries", 0.0)) for m in ranks],
+                             capacity, host_capacity, names))
+
+
 def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[StageMemory], global_batch: int,
                           floor: MemoryOptions, forbid: tuple[str, ...], capacity: list[float],
-                          host_capacity: list[float], speeds: list[float], lane_bandwidth: float) -> MemoryChoice:
-    """``floor`` (what the user set) when it fits; else the allowed combination (:func:`candidates`) with the
-    least :func:`step_seconds` whose every rank fits (:func:`plan_memory` within ``capacity`` bytes per rank and
-    ``host_capacity``); ties go to fewer techniques. ``place(options)`` returns the plan balanced for those
-    options (lane shares within memory, exact min-max shares, and hardware-aware ZeRO weights) or
-    raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations.
+                          host_capacity: list[float], speeds: list[float], lane_bandwidth: float,
+                          names: tuple[str, ...] = (), micro_batches: int = 1) -> MemoryChoice:
+    """The allowed combination (:func:`candidates`) with the least :func:`step_seconds` whose every rank fits
+    (:func:`plan_memory` within ``capacity`` bytes per rank and ``host_capacity``); ties (1e-12 relative) go to
+    fewer techniques. What the user set (``floor`` other than no techniques) is kept as is when it fits. With
+    nothing set, the fastest fitting combination is chosen, so more memory never gives a slower plan (a
+    combination relieving memory-bound shares can be faster than none). ``place(options)`` returns the plan
+    balanced for those options (rows and ZeRO shares within memory, :func:`whale.plan.fit.fit_shares`) or
+    raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations. ``names``: device name per rank and
+    ``micro_batches``: the plan's, for the messages.
 
     Raises:
-        InfeasiblePlanError: no allowed combination fits; names the best one tried and its shortfalls, and
-            what else could be allowed.
+        InfeasiblePlanError: no allowed combination fits; names the closest one, its worst rank and device, the
+            bytes it needs and has, and the fixes that apply (:func:`whale.plan.advice.infeasible_message`).
     """
-    tried = []
-    for opt in candidates(floor, forbid):
-        try:
-            plan = place(opt)
-        except InfeasiblePlanError as e:
-            tried.append((float("inf"), _count(opt), opt, None, None, [str(e).split(". ")[0]], e.need_bytes /
-                          max(e.capacity_bytes, 1.0)))
-            continue
-        ranks = plan_memory(plan, stages, global_batch, opt)
-        cost = step_seconds(plan, stages, global_batch, opt, speeds, lane_bandwidth)
-        ratio = max(m.device_total / c for m, c in zip(ranks, capacity, strict=True))
-        tried.append((cost, _count(opt), opt, plan, ranks, shortfalls(ranks, capacity, host_capacity), ratio))
+    tried = [_try(o, place, stages, global_batch, capacity, host_capacity, speeds, lane_bandwidth, names)
+             for o in candidates(floor, forbid)]
     if not tried:
         raise ValueError(f"{floor.describe()} is not a combination the runtime runs (offload of parameters needs "
                          "zero=0)")
-    tried.sort(key=lambda t: (t[0], t[1], t[2]))
-    fits = [t for t in tried if not t[5]]
+    fits = [t for t in tried if not t.short]
     if not fits:
-        best = min(tried, key=lambda t: t[6])
-        worst = max(range(len(capacity)), key=lambda r: best[4][r].device_total / capacity[r]) if best[4] else 0
-        need = best[4][worst].device_total if best[4] else capacity[worst] * best[6]
-        raise InfeasiblePlanError(
-            f"no allowed combination of memory techniques fits: even {best[2].describe()} leaves "
-            f"{'; '.join(best[5][:3])}. Allow more (Config.forbid={forbid}), use more devices or pipeline "
-            "stages, or a smaller batch per micro-batch (more micro-batches)", worst, need, capacity[worst])
-    as_set = [t for t in fits if t[2] == floor]  # what the user set fits: nothing is added
-    cost, _, opt, plan, ranks, _, _ = (as_set or fits)[0]
-    reasons = [f"memory: {opt.describe()} ({cost * 1e3:.2f} ms per step on the slowest rank, predicted compute "
-               "and memory-technique costs)"]
-    if opt != floor:
-        base = next((t for t in tried if t[2] == floor), None)
-        why = base[5][0] if base and base[5] else "the options set are not allowed"
-        reasons.append(f"memory: chosen because without it {why}")
-        for t in [t for t in tried if t[0] <= cost and t[5] and t[2] not in (floor, opt)][:2]:
-            reasons.append(f"memory: {t[2].describe()} does not fit ({t[5][0]})")
-    return MemoryChoice(opt, plan, tuple(ranks), cost, tuple(reasons))
+        best = min(tried, key=lambda t: (t.ratio, _count(t.opt), t.opt))
+        rows = max(1, global_batch // max(1, micro_batches))
+        raise InfeasiblePlanError(infeasible_message(best.worst, forbid, floor.offload, micro_batches, rows),
+                                  best.worst.rank, best.worst.need_bytes, best.worst.has_bytes)
+    fastest = min(t.cost for t in fits)
+    as_set = [t for t in fits if t.opt == floor and floor != MemoryOptions()]  # what the user set fits
+    chosen = as_set[0] if as_set else min((t for t in fits if t.cost <= fastest * (1 + 1e-12)),
+                                          key=lambda t: (_count(t.opt), t.opt))
+    return MemoryChoice(chosen.opt, chosen.plan, tuple(chosen.ranks), chosen.cost, _reasons(chosen, tried, floor))
+
+
+def _reasons(chosen: _Tried, tried: list[_Tried], floor: MemoryOptions) -> tuple[str, ...]:
+    """Printable lines: the choice, its predicted step time, and why not what the user set (or nothing)."""
+    reasons = [f"memory: {chosen.opt.describe()} ({chosen.cost * 1e3:.2f} ms per step on the slowest rank, "
+               "predicted compute and memory-technique costs)"]
+    if chosen.opt != floor:
+        base = next((t for t in tried if t.opt == floor), None)
+        if base is None:
+            why = "without it: the options set are not allowed"
+        elif base.short:
+            why = f"without it {base.short[0]}"
+        else:
+            why = (f"it is faster: {floor.describe()} fits but takes {base.cost * 1e3:.2f} ms per step (its rows "
+                   "are bound by memory)")
+        reasons.append(f"memory: chosen because {why}")
+        for t in [t for t in tried if t.cost <= chosen.cost and t.short and t.opt not in (floor, chosen.opt)][:2]:
+            reasons.append(f"memory: {t.opt.describe()} does not fit ({t.short[0]})")
+    return tuple(reasons)
 
 
 def _count(opt: MemoryOptions) -> int:

@@ -5,7 +5,25 @@ Each failure is a :class:`~whale.plan.checks.PlanError` naming the field path, t
 
 from __future__ import annotations
 
+import functools
+
 from whale.plan.checks import PlanError, _fail
+
+_REPLAN = "re-plan with wh.plan_model (or `whale plan --out`) instead of editing which TaskGraph holds a module"
+
+
+@functools.lru_cache(maxsize=16)
+def _cut_prefixes(cuts: tuple) -> tuple[frozenset[str], ...]:
+    """Per stage, every tensor FQN of its cut and every module prefix of one (``a.b.c`` -> ``a``, ``a.b``,
+    ``a.b.c``): the module names the cut puts in that stage."""
+    out = []
+    for cut in cuts:
+        names = set()
+        for name in (*cut.params, *cut.buffers):
+            parts = name.split(".")
+            names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        out.append(frozenset(names))
+    return tuple(out)
 
 
 class PlanChecks:
@@ -74,6 +92,7 @@ class PlanChecks:
     def _validate_cut(self) -> None:
         if self.stage_cuts and len(self.stage_cuts) != self.num_stages:
             raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_stages}")
+        self._validate_cut_modules()
         seen: dict[str, int] = {}
         for s, cut in enumerate(self.stage_cuts):
             for node in cut.nodes:
@@ -92,3 +111,21 @@ class PlanChecks:
             if not a or inner is not None:
                 _fail("activation_checkpoint", list(names), f"lists {a!r} " + (f"and {inner!r} inside it" if a
                       else "(the whole model)"), "list each module once, outermost only, never the root")
+
+    def _validate_cut_modules(self) -> None:
+        """A pipeline's TaskGraph s lists modules whose tensors stage s's cut holds: a module listed under
+        TaskGraph s whose tensors the cut puts in another stage only (a hand-edited plan) is refused, since the cut
+        is what runs and the printout would be wrong."""
+        if not self.stage_cuts or len(self.task_graphs) != self.num_stages:
+            return
+        held = _cut_prefixes(self.stage_cuts)
+        for tg in self.task_graphs:
+            for name in tg.modules:
+                if name in held[tg.index]:
+                    continue
+                where = [s for s, names in enumerate(held) if name in names]
+                if where:  # the cut holds it elsewhere: it was moved (a name no cut holds is left to the model check)
+                    raise PlanError(
+                        f"task_graphs[{tg.index}].modules lists {name!r} (the plan says TaskGraph {tg.index}), but the "
+                        f"stage cut holds its tensors in stage {where[0]}, so it runs in TaskGraph {where[0]}; "
+                        f"{_REPLAN}")

@@ -71,17 +71,22 @@ def check_plan_fits(plan: Plan, ctx: Context) -> None:
         PlanError: naming both values and the fix.
     """
     cfg = ctx.config
-    fix = ("make the plan with the same settings (whale plan --micro-batches/--schedule/--precision/--offload/"
-           "--cluster) or change them")
-    for what, planned, here in (("world size", plan.world_size, ctx.world_size),
-                                ("num_micro_batch", plan.num_micro_batch, cfg.num_micro_batch),
-                                ("schedule", plan.schedule, cfg.schedule),
-                                ("precision", plan.precision, cfg.precision),
-                                ("offload", plan.offload, cfg.offload)):
+    fix = "make the plan with this job's settings (whale plan --model MODULE:FACTORY --world {world} {flag} --out " \
+        "PLAN.json) or change them"
+    for what, planned, here, flag in (
+            ("world size", plan.world_size, ctx.world_size, ""),
+            ("num_micro_batch", plan.num_micro_batch, cfg.num_micro_batch, f"--micro-batches {cfg.num_micro_batch}"),
+            ("schedule", plan.schedule, cfg.schedule, f"--schedule {cfg.schedule}"),
+            ("precision", plan.precision, cfg.precision, f"--precision {cfg.precision}"),
+            ("offload", plan.offload, cfg.offload, f"--offload {cfg.offload}")):
         if cfg.auto and what in ("num_micro_batch", "schedule", "offload"):
             continue  # chosen by the search (Config(auto=True))
         if planned != here:
-            raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {fix}")
+            how = fix.format(world=ctx.world_size, flag=flag or "...").replace("  ", " ")
+            raise PlanError(f"the plan was made for {what} {planned!r} but this job has {here!r}; {how}")
+    fix = fix.format(world=ctx.world_size, flag="--cluster SPEC.yaml" if ctx.cluster is not None else "...")
+    if ctx.cluster is None:
+        fix += " (without --cluster, or give this job the plan's cluster: Config(cluster=...))"
     devices = tuple(d.name for d in ctx.cluster.devices()) if ctx.cluster is not None else ()
     if plan.devices and devices != plan.devices:
         raise PlanError(f"the plan was made for devices {list(plan.devices)} but this job runs on "
