@@ -183,3 +183,112 @@ def test_checkpointing_the_planner_adds_to_fit_memory_keeps_buffers():
     for r in results:
         assert r["checkpoint"] == ("blocks.0", "blocks.1", "blocks.2")
         assert r["calls"] == 2 * 2 * STEPS  # two Counted blocks, each recomputed
+
+
+# --- every persistent buffer and parameter in full_state_dict() and checkpoints ------------------------------
+class Keeper(nn.Module):
+    """``[B, 4] -> [B, 4]``: a Linear times a non-persistent buffer; also holds a persistent buffer and a frozen
+    parameter that forward never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5), persistent=False)
+        self.register_buffer("unread", torch.arange(3.0))
+        self.frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class StateNet(nn.Module):
+    """``[B, 4] -> [B, 3]`` in two replicate(1) stages: :class:`Keeper`, then a Linear plus its buffer
+    ``offset``; ``a.offset_alias`` is an unread second name of ``b.offset``; ``spare`` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with wh.replicate(1):
+            self.a = Keeper()
+        with wh.replicate(1):
+            self.b = nn.Linear(4, 3)
+            self.b.register_buffer("offset", torch.full((3,), 0.1))
+            self.spare = nn.Linear(2, 2)
+        self.a.register_buffer("offset_alias", self.b.offset)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.b.offset
+
+
+def _state_net() -> StateNet:
+    """A StateNet whose buffers and frozen parameter hold values its constructor does not give."""
+    torch.manual_seed(0)
+    model = StateNet()
+    with torch.no_grad():
+        model.a.unread.fill_(7.0)
+        model.a.frozen.fill_(3.0)
+        model.b.offset.fill_(0.2)
+    return model
+
+
+def _rows(steps: int):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(steps)]
+
+
+def _assert_state(state: dict, expected: dict) -> None:
+    assert sorted(state) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_stage_cut_holds_every_state_entry_read_or_not_and_no_other(capture):
+    """No processes. The stages' state dicts together are the model's: unread buffer, unread frozen and
+    trainable parameters, the unread alias (in the stage holding its tensor), no non-persistent buffer."""
+    from whale.frontend.planning import plan_with_stages
+
+    model = _state_net()
+    plan, stages = plan_with_stages(model, 2, wh.Config(num_micro_batch=2, capture=capture),
+                                    sample_batch=_rows(1)[0] if capture == "export" else None)
+    first, second = plan.stage_cuts
+    assert plan.capture == capture and {"a.frozen", "a.lin.weight"} <= set(first.params)
+    assert "a.unread" in first.buffers and "a.offset_alias" in second.buffers  # the alias where its tensor is
+    assert {"spare.weight", "b.weight"} <= set(second.params)  # unread, in the stage of its annotation
+    merged = {k: v for st in stages for k, v in st.state_dict().items()}
+    assert sorted(merged) == sorted(model.state_dict())
+    assert "a.offset_alias" in stages[1].state_dict() and "a.scale" in dict(stages[0].named_buffers())
+    fresh = StateNet()
+    fresh.load_state_dict(merged, strict=True)
+    _assert_state(fresh.state_dict(), model.state_dict())
+
+
+def _exported_state(rank, world, path):
+    ctx = wh.init(wh.Config(num_micro_batch=2, seed=0, capture="export"))
+    model = _state_net()
+    ref = copy.deepcopy(model)
+    data = _rows(STEPS)
+    plan = wh.plan_model(model, world, ctx.config, sample_batch=data[0])
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    engine = wh.parallelize(model, F.cross_entropy, opt, ctx=ctx, plan=plan)
+    ref_opt = opt(ref.parameters())
+    for x, y in data:
+        engine.step((x, y))
+        _ref_step(ref, ref_opt, x, y, 2)
+    full = engine.full_state_dict()
+    engine.save_checkpoint(path)
+    with torch.no_grad():  # what the checkpoint must bring back, on every rank
+        for t in model.state_dict(keep_vars=True).values():
+            t.zero_()
+    engine.load_checkpoint(path)
+    loaded = engine.full_state_dict()
+    if rank == 0:
+        fresh = StateNet()
+        fresh.load_state_dict(full, strict=True)
+        _assert_state(fresh.state_dict(), ref.state_dict())
+        _assert_state(loaded, ref.state_dict())
+        assert "a.scale" not in full and float(full["a.unread"][0]) == 7.0 and float(loaded["a.frozen"][0]) == 3.0
+    return plan.capture
+
+
+def test_export_pipeline_full_state_dict_and_checkpoint_hold_unread_tensors(tmp_path):
+    assert run_ranks(_exported_state, 2, str(tmp_path / "ckpt"), timeout=120) == ["export", "export"]
