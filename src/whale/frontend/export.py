@@ -264,6 +264,7 @@ class ModalStage(nn.Module):
                              "TaskGraph or Config(capture='fx')")
         self._modules, self._parameters, self._buffers = \
             train_module._modules, train_module._parameters, train_module._buffers
+        self._non_persistent_buffers_set = train_module._non_persistent_buffers_set  # one state dict
         eval_module._modules = train_module._modules  # one set of submodules: .to() and buffers stay shared
         self.__dict__.update(_whale_train=train_module, _whale_eval=eval_module, _whale_model=model)
 

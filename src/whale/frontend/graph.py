@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import fx, nn
 
 
@@ -68,15 +69,20 @@ def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.Graph
     The graph is the same whatever mode ``model`` is in; every module's ``training`` flag is restored.
 
     Raises:
-        StageError: tracing failed (the message names the model and common fixes), or ``forward`` branches on
-            ``self.training`` in a way a traced graph cannot follow (the message names the module).
+        StageError: tracing failed (the message names the model and common fixes), ``forward`` branches on
+            ``self.training`` in a way a traced graph cannot follow (the message names the module), or it
+            updates a buffer outside a module traced as one call (named; see :func:`_check_buffers_untouched`).
     """
     modes = [(m, m.training) for m in model.modules()]
+    buffers = _buffer_marks(model)
     try:
         model.train()
         train_gm = _trace_once(model, set(leaves))
         model.eval()
         eval_gm = _trace_once(model, set(leaves))
+        _check_buffers_untouched(model, buffers)
+    except StageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with guidance
         raise StageError(
             f"pipelining needs a model that torch.fx.symbolic_trace can trace, and tracing "
@@ -89,6 +95,32 @@ def trace(model: nn.Module, leaves: set[str] | tuple[str, ...] = ()) -> fx.Graph
         for m, flag in modes:
             m.training = flag
     return _honour_mode(train_gm, eval_gm, model)
+
+
+def _buffer_marks(model: nn.Module) -> dict[str, tuple]:
+    """Each buffer's version and a copy of its value, to find (and undo) updates made while tracing."""
+    return {n: (b._version, b.detach().clone()) for n, b in model.named_buffers() if not b.is_inference()}
+
+
+def _check_buffers_untouched(model: nn.Module, before: dict[str, tuple]) -> None:
+    """Refuse a forward that updates a buffer outside a module traced as one call: torch.fx runs such code on
+    the real tensor (it records no node, and ``1 / self.steps`` becomes a constant), so a traced stage would
+    never update it. The values are restored first.
+
+    Raises:
+        StageError: naming the buffers and the fix.
+    """
+    changed = [n for n, b in model.named_buffers() if n in before and b._version != before[n][0]]
+    if not changed:
+        return
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in changed:
+                b.copy_(before[n][1])
+    raise StageError(f"{type(model).__name__}'s forward updates buffer(s) {changed[:3]} in place outside a module "
+                     "torch.fx keeps as one call, which a torch.fx trace cannot record (the stage would never update "
+                     "them, and would read their traced value as a constant). Fix: Config(capture='export') with a "
+                     "sample batch (torch.export records the update), or a single TaskGraph (no pipeline)")
 
 
 # --- train/eval mode ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from whale.frontend.export import ModalStage, export_graph
 from whale.frontend.graph import StageError, boundaries, compute_nodes, stage_module, tensor_names, trace
+from whale.frontend.stage_state import complete_state
 from whale.plan.plan import CaptureInput, SharedParam, StageCut
 
 
@@ -101,15 +102,19 @@ def _use_stages(gm: fx.GraphModule, stages: dict[fx.Node, int]) -> dict[str, int
     return out
 
 
-def stage_modules(model: nn.Module, cap: Captured, stages: dict[fx.Node, int], num_stages: int) -> list[nn.Module]:
+def stage_modules(model: nn.Module, cap: Captured, stages: dict[fx.Node, int], num_stages: int,
+                  home: dict[str, int] | None = None) -> list[nn.Module]:
     """Every stage module of the cut ``stages`` of ``cap.train``; for an export capture each is a
-    :class:`~whale.frontend.export.ModalStage` whose eval graph is cut at the same tensors.
+    :class:`~whale.frontend.export.ModalStage` whose eval graph is cut at the same tensors. Together their state
+    dicts hold exactly the model's entries, read by forward or not (:mod:`whale.frontend.stage_state`; ``home``:
+    tensor FQN -> the stage its annotation, or the plan's cut, gives it).
 
     Raises:
         StageError: the eval graph's cut sends other values across a boundary than the train graph's.
     """
     train = [stage_module(cap.train, stages, num_stages, s) for s in range(num_stages)]
     if cap.eval is None:
+        complete_state(model, train, home)
         return train
     eval_stages = assign_stages(cap.eval, _use_stages(cap.train, stages))
     sizes = [len(b) for b in boundaries(cap.train, stages, num_stages)]
@@ -117,7 +122,9 @@ def stage_modules(model: nn.Module, cap: Captured, stages: dict[fx.Node, int], n
     if sizes != eval_sizes:
         raise StageError(f"{type(model).__name__} crosses its stage boundaries with {sizes} values in train() but "
                          f"{eval_sizes} in eval(); pipeline it with Config(capture='fx') or other stage scopes")
-    return [ModalStage(t, stage_module(cap.eval, eval_stages, num_stages, s), model) for s, t in enumerate(train)]
+    modal = [ModalStage(t, stage_module(cap.eval, eval_stages, num_stages, s), model) for s, t in enumerate(train)]
+    complete_state(model, modal, home)
+    return modal
 
 
 def _shared(mods: list[fx.GraphModule]) -> tuple[SharedParam, ...]:
@@ -176,7 +183,7 @@ def cut_model(model: nn.Module, stage_of: dict[str, int], num_stages: int, leave
         nodes = tuple(n.name for n in compute_nodes(gm) if stages[n] == s)
         if not nodes:
             raise StageError(_empty_stage(gm, stages, stage_of, s, num_stages))
-    mods = stage_modules(model, cap, stages, num_stages)
+    mods = stage_modules(model, cap, stages, num_stages, stage_of)
     for s, mod in enumerate(mods):
         params, buffers = tensor_names(mod)
         nodes = tuple(n.name for n in compute_nodes(gm) if stages[n] == s)

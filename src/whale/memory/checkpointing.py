@@ -21,6 +21,11 @@ stream (:mod:`whale.runtime.rng`), swapped in around the whole stage's forward. 
 their own that advance per micro-batch, so a checkpointed module may neither contain nor sit inside a split
 module (refused at planning). A module whose forward mutates its inputs in place would apply the mutation twice
 on recompute; stage graphs with such nodes are refused.
+
+Buffers: the recompute runs on copies of the buffers the chosen module updates, holding what they held before
+its first forward, and leaves the module's own untouched (:mod:`whale.memory.recompute_state`): BatchNorm's
+running statistics and ``num_batches_tracked``, or any buffer a forward updates, end as after one forward, and
+the recomputed activations equal the first ones.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from whale.memory.recompute_state import BufferWatch
 from whale.memory.tracker import recomputing
 from whale.plan.checks import PlanError
 
@@ -110,14 +116,17 @@ def resolve_targets(model: nn.Module, spec, task_graphs=(), split_targets=(), un
 # --- applying (runtime) ----------------------------------------------------------------------------------
 class _Checkpointed:
     """``fn`` under ``torch.utils.checkpoint`` (non-reentrant, RNG preserved) while gradients are on; the
-    recompute in backward is marked for the memory tracker (:func:`whale.memory.tracker.recomputing`)."""
+    recompute in backward is marked for the memory tracker (:func:`whale.memory.tracker.recomputing`) and runs
+    on copies of the buffers of ``owner`` that the first forward saw (:mod:`whale.memory.recompute_state`), so
+    buffers end as after one forward."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, owner: nn.Module) -> None:
         self.fn = fn
+        self.watch = BufferWatch(owner)
 
-    def _run(self, *args, **kwargs):
+    def _run(self, call, *args, **kwargs):
         if torch._C._current_graph_task_id() != -1:  # inside backward: this is the recompute
-            with recomputing():
+            with recomputing(), self.watch.replay(call):
                 return self.fn(*args, **kwargs)
         return self.fn(*args, **kwargs)
 
@@ -125,7 +134,21 @@ class _Checkpointed:
         tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing() or torch.compiler.is_compiling()
         if not torch.is_grad_enabled() or tracing:
             return self.fn(*args, **kwargs)
-        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        call = self.watch.begin()
+        out = checkpoint(self._run, call, *args, use_reentrant=False, **kwargs)
+        self.watch.end(call)
+        return out
+
+
+class _ClassForward:
+    """``type(module).forward(module, ...)``, looked up at each call: a class swapped after wrapping (global
+    BatchNorm, :func:`whale.runtime.buffers.convert_batchnorm`) is followed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 def _wrap_forward(module: nn.Module) -> None:
@@ -133,7 +156,7 @@ def _wrap_forward(module: nn.Module) -> None:
     current = module.__dict__.get("forward")
     if isinstance(current, _Checkpointed):
         return
-    module.forward = _Checkpointed(module.forward)
+    module.forward = _Checkpointed(current if current is not None else _ClassForward(module), module)
 
 
 def unwrap(model: nn.Module) -> None:
@@ -228,7 +251,8 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], index: int) -> None:
         env[node] = sub.node_copy(node, lambda n: env[n])
     outs = [n for n in run if any(u not in inside for u in n.users)]
     sub.output(tuple(env[n] for n in outs))
-    fn = _Checkpointed(fx.GraphModule(gm, sub, f"Checkpointed{index}"))
+    part = fx.GraphModule(gm, sub, f"Checkpointed{index}")
+    fn = _Checkpointed(part, part)
     fn.__name__ = f"whale_checkpoint_{index}"
     with gm.graph.inserting_before(run[0]):
         call = gm.graph.call_function(fn, tuple(inputs))

@@ -89,7 +89,8 @@ def build_stage(model: nn.Module, plan: Plan, stage: int, prebuilt: tuple = ()) 
         return prebuilt[stage]
     cap = capture(model, plan.leaf_modules, plan.capture_inputs if plan.capture == "export" else ())
     stages = _check_nodes(model, cap.train, plan)
-    modules = stage_modules(model, cap, stages, plan.num_stages)
+    home = {n: s for s, cut in enumerate(plan.stage_cuts) for n in (*cut.params, *cut.buffers)}
+    modules = stage_modules(model, cap, stages, plan.num_stages, home)
     _check_tensors(model, modules, plan)
     _check_size(model, plan)
     return modules[stage]
