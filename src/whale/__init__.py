@@ -36,6 +36,7 @@ _LAZY = {
     "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
     "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
     "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
+    "report_error": "whale.runtime.failures",
 }
 
 __all__ = [
@@ -43,8 +44,8 @@ __all__ = [
     "EmulatedOutOfMemoryError", "Engine", "LossScale", "MoE", "OptimizerError", "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
     "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
-    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
-    "token_cross_entropy",
+    "parallelize", "plan_model", "register_split_rule", "replicate", "report_error", "set_default_strategy",
+    "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 
