@@ -164,6 +164,14 @@ def _traceback_file(text: str, rank: int) -> str:
     return path
 
 
+_REPORTED: list[str] = []
+
+
+def reported() -> bool:
+    """True once this process reported an error or an interrupt (it is exiting on it)."""
+    return bool(_REPORTED)
+
+
 def report_error(exc: BaseException, *, traceback: bool = True, file=None) -> None:
     """Print ``exc`` the way a Whale job reports an error (module docstring), on this rank.
 
@@ -173,6 +181,7 @@ def report_error(exc: BaseException, *, traceback: bool = True, file=None) -> No
             alone on every rank, still recorded as the first failure for the launcher's summary.
         file: where to print (default ``sys.stderr``).
     """
+    _REPORTED.append(type(exc).__name__)
     with _sigterm_deferred():
         _report(exc, traceback, file or sys.stderr)
 
