@@ -15,6 +15,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ def run_once(timeout: float) -> tuple[int, bool, float]:
     proc = subprocess.run([*cmd, "launch", "-n", "4", str(JOB)], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     out = proc.stdout + proc.stderr
-    ok_lines = sum(line.startswith("rank ") and " eval " in line for line in out.splitlines())
+    ok_lines = len(set(re.findall(r"rank (\d+) stage \d+ lane \d+: loss \S+ eval", out)))  # lines may interleave
     if proc.returncode == 0 and ok_lines != 4:
         raise RuntimeError(f"exit 0 but {ok_lines} of 4 ranks finished:\n{out[-2000:]}")
     return proc.returncode, "terminate called" in out, time.perf_counter() - start

@@ -117,8 +117,8 @@ def _parse(text: str | None) -> tuple[int, str, str] | None:
 def first_failure(folder: str | os.PathLike) -> tuple[int, str] | None:
     """``(rank, error line)`` of the first failing rank recorded in the error directory ``folder`` (the latest
     torchrun attempt there), or ``None`` when no rank recorded a failure."""
-    files = sorted(Path(folder).glob("failure-*"), key=lambda p: int(p.name.split("-")[1]))
     try:
+        files = sorted(Path(folder).glob("failure-*"), key=lambda p: int(p.name.split("-")[1]))
         found = _parse(files[-1].read_text()) if files else None
     except (OSError, ValueError):
         return None
