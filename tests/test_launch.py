@@ -144,7 +144,7 @@ def no_run(monkeypatch):
 def test_launch_builds_args_and_env(tmp_path, no_run):
     """launch() runs torchrun with the built arguments and the worker environment."""
     spec = tmp_path / "c.yaml"
-    spec.write_text("{}")
+    spec.write_text("nodes:\n" + "  - devices: [V100-32GB, V100-32GB, V100-32GB]\n" * 2)  # 3 per node x 2 nodes
     assert launch(3, PROBE, ["--x"], cluster=spec, nnodes=2, node_rank=0) == 0
     (args, env), = no_run
     assert args == torchrun_args(3, PROBE, ["--x"], nnodes=2, node_rank=0)
@@ -339,7 +339,7 @@ def test_e2e_standalone_two_workers(tmp_path):
 def test_e2e_two_nodes_on_loopback(tmp_path):
     """Two launchers as two nodes (static rendezvous on 127.0.0.1): world 2, both see the sum 3."""
     spec = tmp_path / "cluster.yaml"
-    spec.write_text("nodes: []\n")
+    spec.write_text("nodes: [{devices: [V100-32GB]}, {devices: [V100-32GB]}]\n")
     port = str(_free_port())
     argvs = [
         ["-n", "1", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",

@@ -45,6 +45,7 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
+from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
@@ -116,24 +117,6 @@ def _memory_args(a) -> None:
            "(ZeRO-Offload); optimizer+params also keeps the parameters on the host between steps (needs --zero 0)")
     a("--forbid", default="", metavar="NAMES", help="memory techniques the planner must not add when the plan does "
       "not fit: comma list of activation_checkpoint, zero, zero3, offload, offload_params ('all': every one)")
-
-
-def lr_horizon(args: argparse.Namespace, saved: dict | None = None) -> dict:
-    """The learning-rate schedule's horizon ``{"steps", "warmup"}``: a resumed run keeps its checkpoint's, so
-    the rate continues where it was (a longer run then stays at the final rate) instead of jumping back."""
-    if saved:
-        return dict(saved)
-    return {"steps": args.steps, "warmup": args.warmup if args.warmup is not None else max(1, args.steps // 20)}
-
-
-def lr_at(step: int, args: argparse.Namespace, horizon: dict | None = None) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine from lr to lr/10 at the
-    horizon's last step, lr/10 after it."""
-    h = horizon or lr_horizon(args)
-    if step < h["warmup"]:
-        return args.lr * (step + 1) / h["warmup"]
-    progress = min(1.0, (step - h["warmup"]) / max(1, h["steps"] - h["warmup"]))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 loss_fn = wh.token_cross_entropy()
@@ -286,19 +269,16 @@ def sample(cfg: GPTConfig, full_state: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the job; a configuration error prints one line (rank 0) and exits with status 2."""
+    """Run the job; a configuration error prints Whale's one ``error:`` line on each rank (``wh.report_error``,
+    no traceback) and exits with status 2. Any other error reaches Whale's error report (``wh.init`` installs
+    it): one line per failing rank, the first one's traceback."""
     try:
         run(argv)
-    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ResumeError, ValueError) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, wh.CheckpointError, ValueError) as exc:
+        wh.report_error(exc, traceback=False)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
-
-
-class ResumeError(ValueError):
-    """``--resume`` cannot continue: the checkpoint is already at or past ``--steps``."""
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -318,14 +298,14 @@ def run(argv: list[str] | None = None) -> None:
     if not args.global_batches:  # after a resume: its plan may carry the checkpoint's shares
         loads = engine.stage in (0, engine.plan.num_stages - 1)
         batches.rows = wh.local_rows(engine.plan, ctx.rank, args.batch_size) if loads else []
-    if start >= args.steps:
-        raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
-                          f"nothing to do; pass --steps larger than {start} to train further")
     state["lr_horizon"] = lr_horizon(args, state.get("lr_horizon"))
-    if state["lr_horizon"]["steps"] != args.steps and ctx.rank == 0:
-        h = state["lr_horizon"]["steps"]
-        print(f"the learning-rate schedule keeps the checkpoint's horizon: cosine to {args.lr / 10:.1e} by step "
-              f"{h}; steps {max(h, start)}..{args.steps} run at that final rate", flush=True)
+    note = resume_note(start, args.steps, state["lr_horizon"]["steps"], args.lr / 10,
+                       f"the checkpoint in {args.ckpt_dir}")
+    if note and ctx.rank == 0:
+        print(note, flush=True)
+    if start >= args.steps:  # already done (e.g. a job restarted after its final checkpoint)
+        dist.destroy_process_group()
+        return
     if "val0" not in state:
         state["val0"] = evaluate(engine, val_tokens, args)
     if ctx.rank == 0:

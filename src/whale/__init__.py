@@ -37,6 +37,7 @@ _LAZY = {
     "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
     "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
     "NonFiniteError": "whale.runtime.nonfinite", "LossShapeError": "whale.runtime.nonfinite",
+    "report_error": "whale.runtime.failures",
 }
 
 __all__ = [
@@ -45,8 +46,8 @@ __all__ = [
     "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
     "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
-    "parallelize", "plan_model", "register_split_rule", "replicate", "set_default_strategy", "split",
-    "token_cross_entropy",
+    "parallelize", "plan_model", "register_split_rule", "replicate", "report_error", "set_default_strategy",
+    "split", "token_cross_entropy",
 ]
 __version__ = "0.1.0"
 

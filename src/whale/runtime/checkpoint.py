@@ -78,8 +78,14 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
 
     Returns:
         The published directory, e.g. ``path/step-00000040``.
+
+    Raises:
+        CheckpointError: ``path`` is a file or lies under one, on every rank before any collective
+            (:func:`whale.runtime.ckpt_store.check_root`).
     """
     import torch.distributed.checkpoint as dcp
+
+    store.check_root(path)
 
     step, plan, rank = engine.steps_done, engine.plan, engine.rank
     many = dist.is_initialized() and dist.get_world_size() > 1

@@ -57,6 +57,25 @@ def _fsync_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_root(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint path that is a file, or lies under one (every rank calls it before a save's first
+    collective, so all of them stop with the same message; a load names what it found instead of "no checkpoint").
+
+    Raises:
+        CheckpointError: naming the path, the file in the way, what a checkpoint is (a directory) and the fix.
+    """
+    p = Path(path)
+    blocker = next((q for q in (p, *p.parents) if q.exists()), None)
+    if blocker is None or blocker.is_dir():
+        return
+    where = "is a file" if blocker == p else f"is under {os.fspath(blocker)!r}, which is a file"
+    parent = os.fspath(p.parent) if p.name in (MARKER, META, "latest") or p.suffix == ".distcp" else ""
+    fix = (f"pass its directory {parent!r}" if parent else
+           "pass a directory path (a new one, or the directory an earlier save wrote), or move the file away")
+    raise CheckpointError(f"checkpoint path {os.fspath(path)!r} {where}: a checkpoint is a directory (it holds "
+                          f"step-N/ directories and 'latest', or is one step-N/ directory with {MARKER}); {fix}")
+
+
 def begin(root: str | os.PathLike, step: int) -> Path:
     """Rank 0, before a save: an empty ``ROOT/.tmp-step-N`` (stale temporary directories removed)."""
     root = Path(root)
@@ -119,7 +138,12 @@ def latest(root: str | os.PathLike) -> Path | None:
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
     """The newest complete checkpoint directory under ``root`` as a string, or ``None`` (see :func:`latest`):
-    ``if whale.latest_checkpoint(dir): engine.load_checkpoint(dir)``."""
+    ``if whale.latest_checkpoint(dir): engine.load_checkpoint(dir)``.
+
+    Raises:
+        CheckpointError: ``root`` is a file or lies under one (:func:`check_root`).
+    """
+    check_root(root)
     found = latest(root)
     return os.fspath(found) if found is not None else None
 
@@ -128,8 +152,10 @@ def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory to load from ``path`` (see :func:`latest`).
 
     Raises:
-        CheckpointError: nothing complete there (naming what was found: old per-rank files, an unfinished save).
+        CheckpointError: ``path`` is a file (:func:`check_root`), or nothing complete is there (naming what was
+            found: old per-rank files, an unfinished save).
     """
+    check_root(path)
     found = latest(path)
     if found is not None:
         return found

@@ -9,7 +9,10 @@ in around those forwards only.
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,7 +73,9 @@ def init(config: Config | None = None) -> Context:
     elif config.timeout_s:  # a group made by the caller: its collectives get this timeout from now on
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    failures.install(rank, world)  # a rank stopped by a peer's failure prints one line, not a traceback
+    failures.install(rank, world)  # one error line per failing rank, one traceback (whale.runtime.failures)
+    if not _TEARDOWN:
+        _TEARDOWN.append(atexit.register(teardown))
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local)
@@ -81,6 +86,53 @@ def init(config: Config | None = None) -> Context:
     ctx = Context(config, rank, world, device, resolve_cluster(config.cluster, world))
     _CURRENT[:] = [ctx]
     return ctx
+
+
+_TEARDOWN: list = []
+
+
+def teardown(quiet_timeout_s: float = 2.0) -> None:
+    """End this process's distributed state before the interpreter finalizes (``wh.init`` registers it with
+    :mod:`atexit`; calling it earlier is allowed, once the job's last collective has returned).
+
+    Why: a gloo worker thread releases each collective's work (and its tensors) just *after* the collective
+    returned to Python. When the script ends right then, the interpreter may already be finalizing: the thread's
+    release of a tensor whose Python object is gone takes the GIL, Python ends the thread (``pthread_exit``)
+    inside a ``noexcept`` destructor, and the process dies with ``terminate called without an active
+    exception`` (exit code 134), a successful run reported as failed. So, with the interpreter still whole:
+
+    1. wait (with the GIL released, at most ``quiet_timeout_s``) until no thread but this one is running, so every
+       worker has released its last work, for the groups Whale's objects still hold as well;
+    2. ``destroy_process_group()`` unless the user already did or this rank is exiting on an error (a peer may be
+       gone and a group's destructor waits for queued work): the groups only torch held are destroyed, their
+       worker threads joined.
+    """
+    _wait_until_quiet(quiet_timeout_s)
+    if dist.is_available() and dist.is_initialized() and not failures.reported():
+        dist.destroy_process_group()
+
+
+def _wait_until_quiet(timeout_s: float, samples: int = 3) -> None:
+    """Sleep in steps of 1 ms until ``samples`` consecutive looks at ``/proc/self/task`` find no thread but this
+    one runnable (state R), or ``timeout_s`` passed; returns at once where ``/proc`` does not exist."""
+    me = threading.get_native_id()
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < samples and time.monotonic() < deadline:
+        time.sleep(0.001)
+        try:
+            running = [t for t in os.listdir("/proc/self/task") if int(t) != me and _state(t) == "R"]
+        except OSError:
+            return
+        quiet = 0 if running else quiet + 1
+
+
+def _state(tid: str) -> str:
+    """The scheduler state letter of thread ``tid`` of this process ('' when it is gone)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _restart_store() -> dict:

@@ -16,12 +16,18 @@ separate from :func:`launch`, which only runs torchrun and returns an exit code.
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["LaunchError", "torchrun_args", "torchrun_command", "worker_env", "launch"]
+from whale.cluster import ClusterError, ClusterSpec
+from whale.runtime import failures
+
+__all__ = ["LaunchError", "check_cluster_size", "torchrun_args", "torchrun_command", "worker_env", "launch"]
 
 # Flags that configure the rendezvous; any of them switches the launch from --standalone to multi-node.
 _RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -162,15 +168,31 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _failure_summary(e) -> str:
+def _first_failure(e, recorded: tuple[int, str] | None) -> tuple[int, int, str]:
+    """``(rank, exit code, exception type name or "")`` of the rank that failed first: the one whose error report
+    recorded it first (:func:`whale.runtime.failures.record`), else torchrun's earliest (a rank killed by a
+    signal, or a script without ``wh.init``). A recorded rank that torchrun terminated while it was still exiting
+    (SIGTERM after another rank's exit) gets the exit code of the rank torchrun saw fail first."""
+    earliest_rank, earliest = e.get_first_failure()
+    if recorded is None or recorded[0] not in e.failures:
+        return earliest_rank, earliest.exitcode, ""
+    rank, line = recorded
+    kind = re.match(r"error: (?:\[rank \d+\] )?([\w.]+)", line)
+    code = e.failures[rank].exitcode
+    if code == -signal.SIGTERM and earliest.exitcode >= 0:
+        code = earliest.exitcode
+    return rank, code, kind.group(1) if kind else ""
+
+
+def _failure_summary(e, recorded: tuple[int, str] | None = None) -> str:
     """One line for torchrun's ``ChildFailedError``: the rank that failed first (its own error is printed above,
     once, by that rank) and how many others were stopped after it (instead of torchrun's table of every rank)."""
-    rank, first = e.get_first_failure()
-    code = first.exitcode
+    rank, code, kind = _first_failure(e, recorded)
     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     others = len(e.failures) - 1
-    tail = f"; {others} other rank(s) were stopped after it" if others else ""
-    return f"{e.name} FAILED: rank {rank} failed first ({how}); its error is printed above{tail}"
+    tail = f"; {others} other rank(s) failed or were stopped after it" if others else ""
+    what = f" with {kind}" if kind else ""
+    return f"{e.name} FAILED: rank {rank} failed first ({how}){what}; its error is printed above{tail}"
 
 
 def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
@@ -193,8 +215,10 @@ def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
         torchrun_main(list(args))
         return 0
     except ChildFailedError as e:
-        print(_failure_summary(e), file=sys.stderr, flush=True)
-        return _exit_code(e.get_first_failure()[1].exitcode) or 1
+        folder = env.get(failures.ERROR_DIR_ENV)
+        recorded = failures.first_failure(folder) if folder else None
+        print(_failure_summary(e, recorded), file=sys.stderr, flush=True)
+        return _exit_code(_first_failure(e, recorded)[1]) or 1
     except SignalException as e:
         return 128 + int(e.sigval)
     finally:
@@ -229,10 +253,58 @@ def launch(
     args = torchrun_args(nproc, script, script_args, **rdzv)
     _check_script(script)
     env = worker_env(cluster=cluster, threads=threads)
+    if cluster is not None:
+        check_cluster_size(cluster, nproc, rdzv.get("nnodes"))
     if dry_run:
         cmd = torchrun_command(args)
         added = {k: v for k, v in env.items() if os.environ.get(k) != v}
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(added.items()))
         print((prefix + " " if prefix else "") + shlex.join(cmd))
         return 0
-    return _run(args, env)
+    folder = tempfile.mkdtemp(prefix="whale-errors-")  # the workers' error reports (whale.runtime.failures)
+    try:
+        return _run(args, {**env, failures.ERROR_DIR_ENV: folder})
+    finally:
+        _tidy(folder)
+
+
+def _tidy(folder: str) -> None:
+    """Remove the error directory's first-error records; the directory too unless it holds traceback files (an
+    ``error:`` line names them)."""
+    for p in Path(folder).glob("*"):
+        if p.name.startswith(("failure-", "interrupt-")):
+            p.unlink(missing_ok=True)
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def check_cluster_size(cluster: str | os.PathLike, nproc: int, nnodes: int | str | None = None) -> None:
+    """Check, before any worker starts, that the cluster spec declares one device per process.
+
+    Args:
+        cluster: the spec file (``--cluster``).
+        nproc: processes per node (``-n``).
+        nnodes: ``--nnodes`` (``N`` or elastic ``MIN:MAX``; ``None``: one node).
+
+    Raises:
+        LaunchError: the spec does not load, or its device count is not ``nproc`` x nodes (naming both numbers
+            and the fix: a spec of that many devices, or the ``-n`` that matches the spec).
+    """
+    try:
+        devices = ClusterSpec.from_yaml(cluster).world_size
+    except ClusterError as e:
+        raise LaunchError(f"--cluster: {e}") from None
+    low, high = (int(v) for v in (str(nnodes or 1).split(":") * 2)[:2])
+    if any(devices == nproc * n for n in range(low, high + 1)):
+        return
+    if low == high:
+        flags = f"-n {nproc}" + (f" x --nnodes {low}" if nnodes is not None else "")
+        starts, want = f"{nproc * low}", f"{nproc * low}"
+        fix = f" or -n {devices // low}" if devices % low == 0 else ""
+    else:
+        flags, starts = f"-n {nproc} x --nnodes {nnodes}", f"{nproc * low}..{nproc * high}"
+        want, fix = f"{nproc} x N devices ({low} <= N <= {high})", ""
+    raise LaunchError(f"--cluster {os.fspath(cluster)!r} declares {devices} devices but {flags} starts {starts} "
+                      f"processes; pass a spec of {want} devices{fix}")
