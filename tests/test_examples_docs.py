@@ -152,6 +152,21 @@ def test_hf_example_refuses_bad_int_flags_in_one_line(flag, value, message, caps
     assert parse_args(_hf_args("--eval-every", "0")).eval_every == 0  # 0: evaluate at the start and end only
 
 
+@pytest.mark.parametrize("flag,value,low", [("--log-every", "0", 1), ("--eval-batches", "0", 1), ("--stages", "0", 1),
+                                            ("--eval-every", "-1", 0), ("--micro-batches", "0", 1)])
+def test_gpt_example_refuses_bad_int_flags_in_one_line(flag, value, low, capsys):
+    """The GPT job's int flags have the HF example's lower bounds (``--log-every 0`` and ``--eval-batches 0``
+    divided by zero): one argparse line naming the flag, the limit and the value, exit 2 (no processes)."""
+    from examples.gpt.train import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, value])
+    assert exc.value.code == 2
+    expected = f"argument {flag}: must be an integer >= {low}, got {value}"
+    assert re.fullmatch(rf"\S+: error: {re.escape(expected)}", capsys.readouterr().err.splitlines()[-1])
+    assert parse_args(["--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "0"]).eval_every == 0
+
+
 def _hf_runs(rank, world, store, *argvs):
     """``examples/hf/train.py``'s ``run`` once per argv on this rank, each in a new gloo group (``run`` ends its
     group); rank 0's summaries."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 def checkpoint_spec(value: str | None):
     """``--activation-checkpoint`` as ``Config.activation_checkpoint``: None, ``"all"``, or a tuple of names
@@ -16,3 +18,15 @@ def forbid_spec(value: str) -> tuple[str, ...]:
     from whale.plan.memory import FORBIDDEN
 
     return FORBIDDEN if value.strip() == "all" else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def at_least(low: int):
+    """An argparse ``type``: an int >= ``low``, else the flag's error naming the value, the limit and the fix
+    (``--eval-batches 0`` would divide by zero; ``--log-every 0`` too)."""
+    def check(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    check.__name__ = "int"  # argparse names the type in its own messages
+    return check

@@ -46,7 +46,7 @@ from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E4
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
-from examples.gpt.specs import checkpoint_spec, forbid_spec  # noqa: E402
+from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import bubble_fraction  # noqa: E402
 
@@ -55,38 +55,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit ``make train`` (4 CPU processes, 2 cores) in a few minutes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    a("--steps", type=int, default=600, help="optimizer steps in total (a resumed run continues to it)")
-    a("--stop-after", type=int, default=None,
+    one, zero = at_least(1), at_least(0)
+    a("--steps", type=one, default=600, help="optimizer steps in total (a resumed run continues to it)")
+    a("--stop-after", type=one, default=None,
       help="stop (with a checkpoint) after this step, as if interrupted; --resume continues to --steps")
-    a("--batch-size", type=int, default=32, help="global batch (sequences per step, all ranks together)")
-    a("--seq-len", type=int, default=128, help="tokens per sequence (= model block size)")
-    a("--n-layer", type=int, default=4)
-    a("--n-head", type=int, default=4)
-    a("--n-embd", type=int, default=128)
+    a("--batch-size", type=one, default=32, help="global batch (sequences per step, all ranks together)")
+    a("--seq-len", type=one, default=128, help="tokens per sequence (= model block size)")
+    a("--n-layer", type=one, default=4)
+    a("--n-head", type=one, default=4)
+    a("--n-embd", type=one, default=128)
     a("--dropout", type=float, default=0.0)
-    a("--vocab-size", type=int, default=2048, help="BPE vocabulary (re-tokenizes the cache if it differs)")
+    a("--vocab-size", type=one, default=2048, help="BPE vocabulary (re-tokenizes the cache if it differs)")
     a("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay to 10%%)")
-    a("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
+    a("--warmup", type=zero, default=None, help="warmup steps (default: 5%% of --steps)")
     a("--weight-decay", type=float, default=0.1)
-    a("--micro-batches", type=int, default=4, help="micro-batches per step (pipeline depth)")
-    a("--stages", type=int, default=2, help="pipeline stages (wh.replicate(1) scopes in the model)")
+    a("--micro-batches", type=one, default=4, help="micro-batches per step (pipeline depth)")
+    a("--stages", type=one, default=2, help="pipeline stages (wh.replicate(1) scopes in the model)")
     a("--stage-layers", type=str, default=None,
       help="blocks per stage as annotated, e.g. 3,1 (default: even); on a mixed cluster the hardware-aware planner "
            "re-cuts the stages by device speed (the annotations then fix only the stage count)")
     a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward; fp16 adds dynamic loss scaling (master weights stay fp32)")
-    a("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: start/end only)")
-    a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (fixed set)")
+    a("--eval-every", type=zero, default=200, help="held-out evaluation every N steps (0: start/end only)")
+    a("--eval-batches", type=one, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
-    a("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
     a("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir, if any, under "
       "this run's plan (another world size, --stages or cluster re-plans and reshards it); a job restarted by "
       "whale launch --max-restarts resumes by itself")
     a("--timeout", type=float, default=None,
       help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
-    a("--log-every", type=int, default=25, help="log line every N steps when not showing a progress bar")
-    a("--sample-tokens", type=int, default=120, help="tokens to generate at the end (0: none)")
+    a("--log-every", type=one, default=25, help="log line every N steps when not showing a progress bar")
+    a("--sample-tokens", type=zero, default=120, help="tokens to generate at the end (0: none)")
     a("--prompt", default="Ham.\n", help="prompt for the generated sample")
     a("--seed", type=int, default=1337)
     a("--data-dir", default=str(DEFAULT_DATA_DIR))

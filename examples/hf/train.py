@@ -37,25 +37,16 @@ import transformers  # noqa: E402
 
 import whale as wh  # noqa: E402
 from examples.gpt.data import DEFAULT_DATA_DIR, TokenBatches, eval_batches, load_tokens  # noqa: E402
-from examples.gpt.train import ResumeError, lr_at, lr_horizon, maybe_resume, prepare_data, save  # noqa: E402
-
-
-def _at_least(low: int):
-    """An argparse ``type``: an int >= ``low``, else the flag's error naming the value, the limit and the fix."""
-    def check(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-    check.__name__ = "int"  # argparse names the type in its own messages
-    return check
+from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
+from examples.gpt.specs import at_least  # noqa: E402
+from examples.gpt.train import maybe_resume, prepare_data, save  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit 4 CPU processes on 2 cores in a few minutes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
-    one, zero = _at_least(1), _at_least(0)
+    one, zero = at_least(1), at_least(0)
     a("--steps", type=one, default=200, help="optimizer steps in total (a resumed run continues to it)")
     a("--stop-after", type=one, default=None,
       help="stop (with a checkpoint) after this step, as if interrupted; --resume continues to --steps")
@@ -160,10 +151,7 @@ def train(engine: wh.Engine, args, batches: TokenBatches, val_tokens, start: int
 
 def run(argv: list[str] | None = None) -> dict:
     """Train and evaluate (resuming with ``--resume``), checkpoint at the end; rank 0 returns (and writes) the
-    summary.
-
-    Raises:
-        ResumeError: the checkpoint is already at or past ``--steps``.
+    summary (``{}`` when the checkpoint is already at ``--steps``: nothing to do, the job succeeds).
     """
     args = parse_args(argv)
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
@@ -178,12 +166,16 @@ def run(argv: list[str] | None = None) -> dict:
     if rank0:
         print(f"LlamaForCausalLM: {sum(p.numel() for p in model.parameters()):,} parameters\n{engine.plan}", flush=True)
     start, state = maybe_resume(engine, args, batches)
-    if start >= args.steps:
-        raise ResumeError(f"the checkpoint in {args.ckpt_dir} is at step {start} and --steps is {args.steps}: "
-                          f"nothing to do; pass --steps larger than {start} to train further")
+    state["lr_horizon"] = lr_horizon(args, state.get("lr_horizon"))
+    note = resume_note(start, args.steps, state["lr_horizon"]["steps"], args.lr / 10,
+                       f"the checkpoint in {args.ckpt_dir}")
+    if note and rank0:
+        print(note, flush=True)
+    if start >= args.steps:  # already done (e.g. a job restarted after its final checkpoint): success
+        dist.destroy_process_group()
+        return {}
     if "val" not in state:  # a fresh run (a resumed one has its history)
         state.update(val=[[0, evaluate(engine, val_tokens, args)]], train_loss=[], train_time=0.0)
-    state["lr_horizon"] = lr_horizon(args, state.get("lr_horizon"))
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     state = train(engine, args, batches, val_tokens, start, end, state)
     save(engine, args, end, batches, state)
@@ -205,12 +197,13 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main() -> None:
-    """Run the job; a configuration error prints one line (rank 0) and exits with status 2."""
+    """Run the job; a configuration error prints Whale's one ``error:`` line on each rank (``wh.report_error``,
+    no traceback) and exits with status 2; any other error reaches the report ``wh.init`` installs."""
     try:
         run()
-    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, ResumeError, ValueError) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    except (wh.ConfigError, wh.PlanError, wh.AnnotationError, wh.StageError, wh.CheckpointError,
+            ValueError) as exc:
+        wh.report_error(exc, traceback=False)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
