@@ -42,6 +42,19 @@ def run_once(timeout: float) -> tuple[int, bool, float]:
     return proc.returncode, "terminate called" in out, time.perf_counter() - start
 
 
+def provenance(load_before: tuple[float, float, float]) -> dict:
+    """Where the result came from: commit (``+dirty`` with uncommitted changes), command, UTC date, host load
+    (1-minute load average before and after, and the core count)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"commit": git("rev-parse", "HEAD") + dirty, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "cores": os.cpu_count()}
+
+
 def main() -> None:
     """Run the job ``--runs`` times; print and write the exit-code counts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -49,6 +62,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     p.add_argument("--out", default=None, help="JSON result path")
     args = p.parse_args()
+    load_before = os.getloadavg()
     codes, terminated, seconds = [], 0, []
     for i in range(args.runs):
         code, term, s = run_once(args.timeout)
@@ -58,7 +72,8 @@ def main() -> None:
         print(f"run {i + 1}/{args.runs}: exit {code}{' (terminate called)' if term else ''}, {s:.1f} s", flush=True)
     counts = dict(collections.Counter(codes))
     result = {"runs": args.runs, "exit_codes": counts, "exit_0": counts.get(0, 0), "terminate_called": terminated,
-              "seconds": seconds, "job": "benchmarks/_width_exit_job.py (TinyLM, stage widths 3+1, 4 ranks)"}
+              "seconds": seconds, "job": "benchmarks/_width_exit_job.py (TinyLM, stage widths 3+1, 4 ranks)",
+              "provenance": provenance(load_before)}
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -79,11 +79,13 @@ class _InputsDone(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, done, *tensors):
+        """The tensors unchanged; remembers ``done``."""
         ctx.done = done
         return tensors
 
     @staticmethod
     def backward(ctx, *grads):
+        """Calls ``done`` and passes the gradients through."""
         ctx.done()
         return (None, *grads)
 

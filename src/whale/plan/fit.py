@@ -75,6 +75,7 @@ def cell(st: StageMemory, rank: int, flight: int, lanes: int, opt: MemoryOptions
     """The :class:`Cell` of ``rank`` running stage ``st`` (``flight`` micro-batches in flight, ``lanes`` lanes,
     ``micro`` micro-batches per step, ``speed`` FLOP/s, ``capacity`` = (device, host) bytes)."""
     def mem(r: int, f: float):
+        """``rank_memory`` of this stage at ``r`` rows and ZeRO shard fraction ``f`` (bytes)."""
         return rank_memory(st, r, flight, f, opt)
     one, half, row = mem(0, 1.0), mem(0, 0.5), mem(1, 1.0)
     b, hb = 2 * (one.device_total - half.device_total), 2 * (one.host - half.host)
@@ -146,6 +147,7 @@ def _greedy(cells: list[list[Cell]], rows: int, lo: list[int], hi: list[int], li
     seen: dict[tuple[int, int], float] = {}
 
     def room(lane: int, k: int) -> float:
+        """The largest ZeRO share lane ``lane`` can take at ``k`` rows on every stage (memoized)."""
         if (lane, k) not in seen:
             seen[lane, k] = min(stage[lane].share_room(k, limit) for stage in cells)
         return seen[lane, k]

@@ -318,6 +318,7 @@ class _Tried:
 
     @property
     def ratio(self) -> float:
+        """Bytes needed over bytes available on the worst rank (> 1: does not fit)."""
         return self.worst.need_bytes / max(self.worst.has_bytes, 1.0)
 
 
