@@ -244,3 +244,63 @@ def test_a_full_or_read_only_disk_is_one_line_on_every_rank(tmp_path):
     assert re.fullmatch(r"cannot write checkpoint step-00000001 to '.*/c': the file system is read-only \(EROFS\); "
                         r"pass a writable checkpoint directory", lines[2])
     assert left == [] and after == ["latest", "step-00000001"]
+
+
+def _gpt_jobs(rank, world, store, data, *runs):
+    """``examples/gpt/train.py``'s ``main`` once per (env, argv) in this process, each in a new gloo group (the
+    job ends its group): (exit code, stdout + stderr) of each."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from examples.gpt.train import main
+
+    tiny = ["--stages", "1", "--micro-batches", "1", "--data-dir", data, "--vocab-size", "300", "--n-layer", "1",
+            "--n-head", "2", "--n-embd", "16", "--seq-len", "16", "--batch-size", "4", "--eval-every", "0",
+            "--eval-batches", "1", "--sample-tokens", "0", "--tensorboard", "", "--no-progress"]
+    out = []
+    for i, (env, argv) in enumerate(runs):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{store}{i}", rank=rank, world_size=world)
+        os.environ.update(env)
+        text, code = io.StringIO(), 0
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            try:
+                main([*tiny, *argv])
+            except SystemExit as exc:
+                code = exc.code
+        for k in env:
+            os.environ.pop(k)
+        sys.stdout.flush()
+        out.append((code, text.getvalue()))
+    return out
+
+
+def test_the_gpt_job_refuses_another_run_overwrites_it_and_a_finished_restart_succeeds(tmp_path):
+    """One process, six tiny GPT jobs in one directory: a second fresh run is refused (exit 2, one line); with
+    --overwrite its checkpoint survives; a restart of that job after its final checkpoint exits 0 naming its
+    summary, or writes it again when it is gone; a step directory as --ckpt-dir is refused naming its parent."""
+    texts = tmp_path / "data" / "texts"
+    texts.mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "data" / "tempest_gut.txt", texts)
+    (texts / ".complete").touch()
+    ck, summary = str(tmp_path / "ck"), str(tmp_path / "s.json")
+    job = {"TORCHELASTIC_RUN_ID": "job-b"}
+    again = {**job, "TORCHELASTIC_RESTART_COUNT": "1"}
+    common = ["--ckpt-dir", ck, "--summary", summary]
+    [a, b, b2, restart, gone, step_dir] = run_ranks(
+        _gpt_jobs, 1, str(tmp_path / "store"), str(tmp_path / "data"), ({}, [*common, "--steps", "2"]),
+        (job, [*common, "--steps", "1"]), (job, [*common, "--steps", "1", "--overwrite"]),
+        (again, [*common, "--steps", "1"]), (again, [*common, "--steps", "1", "--summary", summary + "2"]),
+        ({}, ["--ckpt-dir", ck + "/step-00000001", "--steps", "2"]), timeout=240)[0]
+    assert a[0] == 0 and "summary written to" in a[1]
+    assert b[0] == 2 and re.search(r"error: CheckpointError: " + _OTHER.replace("steps 2-3", "step 2"), b[1])
+    assert b2[0] == 0 and re.search(r"ck: removed 1 checkpoint\(s\) of run\(s\) \S+ \(step 2\) to start afresh", b2[1])
+    assert restart[0] == 0 and f"the summary of the finished run is at {summary}\n" in restart[1]
+    assert "nothing to do" in restart[1] and "held-out loss: initial" not in restart[1]
+    assert gone[0] == 0 and f"no summary of the finished run at {summary}2: writing it" in gone[1]
+    assert json.loads(Path(summary + "2").read_text())["steps"] == 1
+    assert sorted(p.name for p in Path(ck).iterdir()) == ["latest", "step-00000001"]
+    assert step_dir[0] == 2 and re.search(rf"is one checkpoint \(a step-N directory\): saving there would nest new "
+                                          rf"checkpoints inside it; pass its parent '{re.escape(ck)}'", step_dir[1])
