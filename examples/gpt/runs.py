@@ -21,7 +21,7 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
     newest = ckpt_runs.newest(args.ckpt_dir) if restarted else None
     own = newest is not None and ckpt_runs.job_key() is not None and newest.info.get("job") == ckpt_runs.job_key()
     if not ((args.resume or own) and wh.latest_checkpoint(args.ckpt_dir)):
-        if restarted and engine.rank == 0:
+        if restarted and newest is None and engine.rank == 0:
             print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
         note = wh.claim_checkpoint_dir(engine, args.ckpt_dir, overwrite=args.overwrite)
         if note and engine.rank == 0:
