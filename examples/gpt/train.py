@@ -44,6 +44,7 @@ from examples.gpt.data import (  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
+from examples.gpt.runs import finished_summary, maybe_resume  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
@@ -81,9 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-batches", type=one, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
     a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir, if any, under "
-      "this run's plan (another world size, --stages or cluster re-plans and reshards it); a job restarted by "
-      "whale launch --max-restarts resumes by itself")
+    fresh = p.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true", help="continue the run in --ckpt-dir from its newest intact "
+                       "checkpoint, if any, under this run's plan (another world size, --stages or cluster re-plans "
+                       "and reshards it); a job restarted by whale launch --max-restarts resumes its own run by itself")
+    fresh.add_argument("--overwrite", action="store_true", help="start afresh in a --ckpt-dir that holds another "
+                       "run's checkpoints: they are removed (without it such a directory is refused)")
     a("--timeout", type=float, default=None,
       help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
     a("--log-every", type=one, default=25, help="log line every N steps when not showing a progress bar")
@@ -174,22 +178,6 @@ def evaluate(engine: wh.Engine, val_tokens, args: argparse.Namespace) -> float:
 def save(engine: wh.Engine, args, step: int, batches: TokenBatches, state: dict) -> None:
     """Checkpoint model/optimizer/RNG (library) plus step, data position and the run's history (extra)."""
     engine.save_checkpoint(args.ckpt_dir, extra={"step": step, "data": batches.state_dict(), **state})
-
-
-def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
-    """Restore the latest complete checkpoint when ``--resume`` (or when torchrun restarted this job after a
-    failure: ``TORCHELASTIC_RESTART_COUNT`` > 0) and one exists; returns (start step, history)."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not ((args.resume or restarted) and wh.latest_checkpoint(args.ckpt_dir)):
-        if restarted and engine.rank == 0:
-            print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
-        return 0, {}
-    extra = engine.load_checkpoint(args.ckpt_dir)
-    batches.load_state_dict(extra["data"])
-    if engine.rank == 0:
-        why = " after a restart" if restarted else ""
-        print(f"resumed{why} from {wh.latest_checkpoint(args.ckpt_dir)} at step {extra['step']}", flush=True)
-    return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
 
 
 def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict, scalars: Scalars) -> dict:
@@ -304,21 +292,12 @@ def run(argv: list[str] | None = None) -> None:
                        f"the checkpoint in {args.ckpt_dir}")
     if note and ctx.rank == 0:
         print(note, flush=True)
-    if start >= args.steps:  # already done (e.g. a job restarted after its final checkpoint)
-        dist.destroy_process_group()
+    if start >= args.steps and finished_summary(args, start, engine):  # a job restarted after its final
+        dist.destroy_process_group()  # checkpoint: done, a success; its summary is there
         return
-    if "val0" not in state:
-        state["val0"] = evaluate(engine, val_tokens, args)
-    if ctx.rank == 0:
-        print(f"step 0: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})"
-              + (f"; resuming at step {start}" if start else ""))
-    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     scalars = Scalars(args.tensorboard, ctx.rank)
-    if start == 0:
-        scalars.eval(0, state["val0"])
-    state = train_loop(engine, args, batches, val_tokens, start, end, state, scalars)
-    state["steps_done"] = end
-    save(engine, args, end, batches, state)
+    # done but its summary unwritten (stopped right after the final save): the summary from the checkpoint's history
+    end = start if start >= args.steps else train(engine, args, batches, val_tokens, start, state, scalars)
     full = engine.full_state_dict()
     state["optimizer_state_bytes"] = optimizer_state_bytes(engine)
     bubble = bubble_report(engine, args)
@@ -331,6 +310,23 @@ def run(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def train(engine, args, batches, val_tokens, start: int, state: dict, scalars: Scalars) -> int:
+    """The initial evaluation, steps ``start..`` to ``--steps`` (or ``--stop-after``) and the final checkpoint;
+    returns the last step (``state`` gets the history)."""
+    if "val0" not in state:
+        state["val0"] = evaluate(engine, val_tokens, args)
+    if engine.rank == 0:
+        print(f"step 0: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})"
+              + (f"; resuming at step {start}" if start else ""))
+    end = min(args.steps, args.stop_after) if args.stop_after else args.steps
+    if start == 0:
+        scalars.eval(0, state["val0"])
+    state.update(train_loop(engine, args, batches, val_tokens, start, end, state, scalars))
+    state["steps_done"] = end
+    save(engine, args, end, batches, state)
+    return end
 
 
 def optimizer_state_bytes(engine: wh.Engine) -> list[int]:
@@ -369,7 +365,7 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
         bubble=bubble, config=vars(args), sample=text, memory=state["memory"], zero=engine.plan.zero,
         offload=engine.plan.offload, optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
-        predicted=state.get("predicted"),
+        predicted=state.get("predicted"), run=engine.run_id,
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

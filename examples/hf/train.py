@@ -72,8 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--cluster", default=None, help="cluster spec (YAML); whale launch --cluster sets it too")
     a("--ckpt-dir", default="checkpoints/hf_llama")
     a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
-    a("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt-dir, if any "
-      "(under this run's plan: another world size, --stages or cluster re-plans and reshards it)")
+    fresh = p.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true", help="continue the run in --ckpt-dir from its newest intact "
+                       "checkpoint, if any (under this run's plan: another world size, --stages or cluster re-plans "
+                       "and reshards it)")
+    fresh.add_argument("--overwrite", action="store_true", help="start afresh in a --ckpt-dir that holds another "
+                       "run's checkpoints: they are removed (without it such a directory is refused)")
     a("--summary", default="runs/hf_llama_summary.json")
     args = p.parse_args(argv)
     for what, n, d in (("--hidden", args.hidden, args.heads), ("--heads", args.heads, args.kv_heads)):

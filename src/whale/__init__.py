@@ -36,6 +36,7 @@ _LAZY = {
     "PlanSampler": "whale.runtime.sampler", "local_rows": "whale.runtime.sampler",
     "memory_table": "whale.memory.monitor", "EmulatedOutOfMemoryError": "whale.memory.monitor",
     "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
+    "claim_checkpoint_dir": "whale.runtime.ckpt_runs",
     "NonFiniteError": "whale.runtime.nonfinite", "LossShapeError": "whale.runtime.nonfinite",
     "report_error": "whale.runtime.failures",
 }
@@ -45,6 +46,7 @@ __all__ = [
     "EmulatedOutOfMemoryError", "Engine", "LossScale", "LossShapeError", "MoE", "NonFiniteError", "OptimizerError",
     "Plan", "PlanError", "PlanSampler",
     "ScheduleError", "ShardedLogits", "SplitError", "StageError", "SumOverCount", "accuracy", "annotate",
+    "claim_checkpoint_dir",
     "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
     "parallelize", "plan_model", "register_split_rule", "replicate", "report_error", "set_default_strategy",
     "split", "token_cross_entropy",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.plan.plan import Plan
+from whale.runtime import ckpt_runs
 from whale.runtime import ckpt_store as store
 from whale.runtime.ckpt_store import CheckpointError
 from whale.runtime.fqn_state import (
@@ -53,6 +54,7 @@ class Restored:
     stage_lane_weights: tuple[tuple[float, ...], ...] = ()
     loss_scale: dict | None = None  # fp16: the dynamic loss scaler's state (runtime/precision.py)
     path: str = ""
+    run: str = ""  # the run id of the loaded checkpoint (the engine adopts it: its next saves continue that run)
 
 
 def _layout(plan: Plan) -> dict:
@@ -74,18 +76,23 @@ def _meta(engine, step: int, extra: dict, loss_scale: dict | None) -> dict:
 def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: int = 2) -> str:
     """Save ``engine``'s state as checkpoint ``step-N`` under ``path`` (N: ``engine.steps_done``). Collective:
     every rank calls it. ``extra`` must be plain Python data (loads with ``weights_only=True``); ``keep``: how
-    many complete checkpoints stay (older ones are removed once this one is published).
+    many complete checkpoints of this run stay (the older ones by publish order are removed once this one is
+    published; another run's are never touched). The manifest records the run (``engine.run_id``, made at the
+    first save of a fresh engine), the job and the publish counter (:mod:`whale.runtime.ckpt_runs`).
 
     Returns:
         The published directory, e.g. ``path/step-00000040``.
 
     Raises:
-        CheckpointError: ``path`` is a file or lies under one, on every rank before any collective
-            (:func:`whale.runtime.ckpt_store.check_root`).
+        CheckpointError: on every rank: ``path`` is a file or lies under one, or is one ``step-N``
+            checkpoint (before any collective); it holds another run's checkpoints (a fresh engine never prunes
+            them: :func:`whale.runtime.ckpt_runs.claim_checkpoint_dir`); the disk is full or not writable (one
+            line with the bytes needed and free, :func:`whale.runtime.ckpt_runs.disk_error`).
     """
     import torch.distributed.checkpoint as dcp
 
     store.check_root(path)
+    ckpt_runs.refuse_step_dir(path)
 
     step, plan, rank = engine.steps_done, engine.plan, engine.rank
     many = dist.is_initialized() and dist.get_world_size() > 1
@@ -94,19 +101,31 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
     state.update(whole_optim_state(engine.optimizer, slots, plan, engine.zero))
     if engine.lane != 0:
         state = {}  # the stage's first lane writes it (after the gathers its tensors are whole)
-    if rank == 0:
-        tmp = store.begin(path, step)
-        torch.save(_meta(engine, step, extra, loss_scale), tmp / store.META)
-    if many:
-        dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(store.tmp_dir(path, step))))
-    final = ""
-    if rank == 0:
-        info = {"format": "whale-dcp-1", "world_size": plan.world_size, "plan": plan.to_json()}
-        final = os.fspath(store.publish(path, step, info, keep))
-    if many:
-        dist.barrier()
-    return final or os.fspath(store.tmp_dir(path, step).with_name(store.step_name(step)))
+    need = ckpt_runs.total_bytes(ckpt_runs.state_bytes(state), many)
+
+    def begin() -> dict:  # rank 0: another run's directory refused, space checked, the temporary directory
+        error, run, _ = ckpt_runs.decide_run(os.fspath(path), engine.run_id, overwrite=False)
+        if error:
+            raise CheckpointError(error)
+        ckpt_runs.check_space(path, step, need)
+        with ckpt_runs.disk_errors(path, step, need, rank):
+            tmp = store.begin(path, step)
+            torch.save(_meta(engine, step, extra, loss_scale), tmp / store.META)
+        return run
+
+    run = ckpt_runs.on_rank0(begin, rank, many, "starting the checkpoint save")
+    engine.run_id = run["run"]
+    with ckpt_runs.disk_errors(path, step, need, rank):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(store.tmp_dir(path, step))))
+
+    def finish() -> str:  # rank 0: the manifest, the rename, 'latest', then the run's older checkpoints pruned
+        info = {"format": "whale-dcp-1", "world_size": plan.world_size, "plan": plan.to_json(), **run}
+        with ckpt_runs.disk_errors(path, step, need, rank):
+            final = store.publish(path, step, info)
+        ckpt_runs.prune(path, run["run"], keep, final)
+        return os.fspath(final)
+
+    return ckpt_runs.on_rank0(finish, rank, many, "publishing the checkpoint")
 
 
 def read_meta(ckpt) -> dict:
@@ -120,21 +139,22 @@ def read_meta(ckpt) -> dict:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"checkpoint file {f} cannot be read as plain data ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}); load an earlier step directory") from None
+                              f"{str(exc)[:200]})") from None
 
 
 def load(path: str, engine) -> Restored:
-    """Restore ``engine``'s parameters, optimizer state, RNG from the latest complete checkpoint under ``path``
-    (or ``path`` itself when it is a step directory), whatever plan saved it. No collective: every rank reads
-    what it needs.
+    """Restore ``engine``'s parameters, optimizer state, RNG from the newest checkpoint under ``path`` that
+    verifies (or ``path`` itself when it is a step directory), whatever plan saved it: a damaged newer one is
+    skipped, said once on rank 0 (:func:`whale.runtime.ckpt_runs.load_first_intact`; the ranks agree on the
+    one to load, a collective when there are several). Every rank then reads what it needs.
 
     Raises:
-        CheckpointError: no complete checkpoint; a missing, truncated or corrupted file (named); a checkpoint of
+        CheckpointError: no checkpoint verifies (each one's reason); a missing, truncated or corrupted file of a
+            single step directory (named); a checkpoint of
             another model (missing tensors or other shapes) or an optimizer with another number of param groups.
     """
-    ckpt = store.resolve(path)
-    info = store.read_manifest(ckpt)
-    meta = read_meta(ckpt)
+    ckpt, (info, meta) = ckpt_runs.load_first_intact(path, lambda d: (store.read_manifest(d), read_meta(d)),
+                                                     engine.rank)
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {ckpt} has {len(saved_groups)} optimizer param group(s) but this "
@@ -155,7 +175,7 @@ def load(path: str, engine) -> Restored:
     same = _layout(saved) == _layout(engine.plan)
     plan = saved if same else engine.plan
     return Restored(int(meta["step"]), meta["extra"], plan.lane_weights, plan.stage_lane_weights,
-                    meta.get("loss_scale"), os.fspath(ckpt))
+                    meta.get("loss_scale"), os.fspath(ckpt), info.get("run", ckpt_runs.LEGACY))
 
 
 def read_model_state(path: str) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ A save writes into ``.tmp-step-N``, then renames it to ``step-N`` (atomic on one
 ``latest`` at it, so a save killed at any moment leaves the previous checkpoint loadable. Loading verifies every
 file against the manifest before reading any, so a truncated or corrupted file is reported by name and DCP's
 pickled ``.metadata`` is only read when it is the file that was written; tensors are read with
-``weights_only=True``. Older step directories beyond ``keep`` are removed after publishing.
+``weights_only=True``. Which run a checkpoint is of, pruning by publish order and the fallback from a damaged
+checkpoint are :mod:`whale.runtime.ckpt_runs`'.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def check_root(path: str | os.PathLike) -> None:
 
 
 def begin(root: str | os.PathLike, step: int) -> Path:
-    """Rank 0, before a save: an empty ``ROOT/.tmp-step-N`` (stale temporary directories removed)."""
+    """Rank 0, before a save: an empty ``ROOT/.tmp-step-N`` (stale temporary copies removed: ``.tmp-step-*``
+    and ``.tmp-old-step-*``)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step-*"):
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".tmp-old-step-*")]:  # of a killed or failed save
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{step_name(step)}"
     tmp.mkdir()
@@ -92,23 +94,20 @@ def tmp_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f".tmp-{step_name(step)}"
 
 
-def publish(root: str | os.PathLike, step: int, info: dict, keep: int = 2) -> Path:
+def publish(root: str | os.PathLike, step: int, info: dict) -> Path:
     """Rank 0, after every rank's data is in the temporary directory: write the manifest (``info`` plus file
-    sizes and hashes), rename the directory to ``step-N``, point ``latest`` at it, drop older ones beyond
-    ``keep``. Returns the published directory."""
+    sizes and hashes), rename the directory to ``step-N``, point ``latest`` at it (pruning is the caller's:
+    :func:`whale.runtime.ckpt_runs.prune`). Returns the published directory."""
     root, tmp = Path(root), tmp_dir(root, step)
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
     _fsync_write(tmp / MARKER, json.dumps({**info, "step": step, "files": files}, indent=1))
-    final = root / step_name(step)
+    final, trash = root / step_name(step), root / f".tmp-old-{step_name(step)}"
     if final.exists():  # the same step saved again (a resumed run): the new one replaces it
-        trash = root / f".tmp-old-{step_name(step)}"
         shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)  # removed below; one a kill leaves is removed by the next save (begin)
     os.rename(tmp, final)
     _fsync_write(root / "latest", final.name + "\n")
-    for old in complete_steps(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(root / step_name(old), ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)
     return final
 
 
@@ -123,7 +122,7 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
 
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directory under ``root``, or ``root`` itself when it is one; ``None`` when
-    there is none. ``latest`` is followed when it names a complete one, else the highest complete step wins."""
+    there is none. ``latest`` is followed when it names a complete one, else the newest published wins."""
     root = Path(root)
     if (root / MARKER).is_file():
         return root
@@ -132,8 +131,13 @@ def latest(root: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
         if _STEP.match(name) and (root / name / MARKER).is_file():
             return root / name
+    def order(step: int) -> tuple[int, int]:  # publish order (ckpt_runs), then the step
+        try:
+            return json.loads((root / step_name(step) / MARKER).read_text()).get("published", -1), step
+        except (OSError, ValueError):
+            return -2, step
     steps = complete_steps(root)
-    return root / step_name(steps[-1]) if steps else None
+    return root / step_name(max(steps, key=order)) if steps else None
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
@@ -183,22 +187,20 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict:
     try:
         info = json.loads((ckpt / MARKER).read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint manifest {ckpt / MARKER} is unreadable ({exc}); the checkpoint is "
-                              "damaged: load an earlier step directory") from None
+        raise CheckpointError(f"checkpoint manifest {ckpt / MARKER} is unreadable ({exc}): the checkpoint "
+                              "is damaged") from None
     if not verify:
         return info
     for name, want in info.get("files", {}).items():
         f = ckpt / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing; the checkpoint is damaged: load an earlier "
-                                  "step directory")
+            raise CheckpointError(f"checkpoint file {f} is missing: the checkpoint is damaged")
         size = f.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"checkpoint file {f} is truncated or altered: {size} bytes, the manifest says "
-                                  f"{want['bytes']}; load an earlier step directory")
+                                  f"{want['bytes']}")
         if _sha256(f) != want["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} is corrupted (SHA-256 differs from the manifest); load an "
-                                  "earlier step directory")
+            raise CheckpointError(f"checkpoint file {f} is corrupted (SHA-256 differs from the manifest)")
     return info
 
 

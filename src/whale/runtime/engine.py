@@ -95,6 +95,7 @@ class Engine(GradientUpdate):
         self.stage, self.lane = plan.coords(ctx.rank)
         self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
         self.steps_done = 0
+        self.run_id: str | None = None  # the checkpoint run (ckpt_runs): made at the first save, adopted by a load
         self.history = StepHistory()
         self.last_timeline: list = []
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
@@ -391,7 +392,7 @@ class Engine(GradientUpdate):
             restored = checkpoint.load(path, self)
         if self.offload is not None:
             self.offload.refresh()  # the host masters from the loaded parameters
-        self.steps_done = restored.step
+        self.steps_done, self.run_id = restored.step, restored.run
         if self.precision.scaler is not None and restored.loss_scale is not None:
             self.precision.scaler.load_state_dict(restored.loss_scale)
         self.plan = dataclasses.replace(self.plan, lane_weights=restored.lane_weights,

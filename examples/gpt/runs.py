@@ -1,0 +1,51 @@
+"""The GPT job's checkpoint run: resume its own run or claim the directory for a fresh one, and what a job that
+is already finished says (issue 24). Collective where the library calls are (every rank calls them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import whale as wh
+from examples.gpt.data import TokenBatches
+from whale.runtime import ckpt_runs
+
+
+def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
+    """Restore the newest intact checkpoint of the run in ``--ckpt-dir`` when ``--resume`` (or when torchrun
+    restarted this job after a failure, ``TORCHELASTIC_RESTART_COUNT`` > 0, and the run there is this job's), else
+    claim the directory for a fresh run (another run's checkpoints refused, or removed by ``--overwrite``);
+    returns (start step, history)."""
+    ckpt_runs.refuse_step_dir(args.ckpt_dir)  # a step directory: new checkpoints would nest inside it
+    restarted = ckpt_runs.restarted()
+    newest = ckpt_runs.newest(args.ckpt_dir) if restarted else None
+    own = newest is not None and ckpt_runs.job_key() is not None and newest.info.get("job") == ckpt_runs.job_key()
+    if not ((args.resume or own) and wh.latest_checkpoint(args.ckpt_dir)):
+        if restarted and newest is None and engine.rank == 0:
+            print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
+        note = wh.claim_checkpoint_dir(engine, args.ckpt_dir, overwrite=args.overwrite)
+        if note and engine.rank == 0:
+            print(note, flush=True)
+        return 0, {}
+    extra = engine.load_checkpoint(args.ckpt_dir)
+    batches.load_state_dict(extra["data"])
+    if engine.rank == 0:
+        why = " after a restart" if restarted else ""
+        where = Path(args.ckpt_dir) / ckpt_runs.store.step_name(int(extra["step"]))  # the one loaded
+        print(f"resumed{why} from {where} at step {extra['step']}", flush=True)
+    return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
+
+
+def finished_summary(args, step: int, engine: wh.Engine) -> bool:
+    """Whether ``--summary`` already holds the summary of the finished run (its ``steps`` is ``step`` and its
+    ``run`` the engine's, adopted from the checkpoint); rank 0 says where it is, or that it is written again.
+    Every rank reads the file and returns the same answer (one file system)."""
+    try:
+        old = json.loads(Path(args.summary).read_text())
+        done = old.get("steps") == step and old.get("run") == engine.run_id
+    except (OSError, ValueError, AttributeError):
+        done = False
+    if engine.rank == 0:
+        print(f"the summary of the finished run is at {args.summary}" if done else
+              f"no summary of the finished run at {args.summary}: writing it from the checkpoint", flush=True)
+    return done
