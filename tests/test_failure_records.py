@@ -261,6 +261,33 @@ def test_workers_exit_when_their_launcher_is_killed(tmp_path):
             os.kill(w, signal.SIGKILL)
 
 
+def _bench_job(rank, world, mode):
+    """A benchmark body for ``benchmarks._launch``: rank 1 raises a peer-like text or dies by SIGKILL."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 1 and mode == "raise":
+        raise RuntimeError("DataLoader timed out; Broken pipe")
+    if rank == 1 and mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+@pytest.mark.slow
+def test_the_benchmarks_launcher_names_the_rank_that_failed_first():
+    """``benchmarks/_launch.py`` (2 spawned gloo ranks): a genuine error with a peer-like text on rank 1 is named
+    with its traceback over rank 0's failed collective; a rank killed by SIGKILL is named with its signal."""
+    from benchmarks._launch import launch as bench_launch
+
+    with pytest.raises(RuntimeError) as raised:
+        bench_launch(_bench_job, 2, "raise", timeout=60)
+    assert re.match(r"benchmark rank 1 failed first: error: \[rank 1\] RuntimeError: DataLoader timed out; Broken "
+                    r"pipe\nTraceback", str(raised.value)), raised.value
+    with pytest.raises(RuntimeError, match=r"^benchmark rank 1 died first \(killed by signal 9: SIGKILL\) without "
+                                           r"an error\n  rank 0: error: \[rank 0\] RuntimeError"):
+        bench_launch(_bench_job, 2, "kill", timeout=60)
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]

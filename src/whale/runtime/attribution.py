@@ -65,7 +65,7 @@ def summary(e, folder: str | os.PathLike | None) -> tuple[str, int]:
         code = _job_code(e, first[0])
         return (f"{e.name} FAILED: rank {first[0]} failed first ({_how(code)}){what}; its error is printed "
                 f"above{tail}"), code
-    silent = {r: f for r, f in e.failures.items() if r not in reps}
+    silent = {r: f for r, f in e.failures.items() if r not in reps} if folder else {}
     died = [r for r, f in silent.items() if f.exitcode != -signal.SIGTERM]
     if died:
         rank = min(died, key=lambda r: (e.failures[r].timestamp, beats.get(r, {}).get("beat", now)))
