@@ -117,7 +117,8 @@ def teardown(quiet_timeout_s: float = 2.0) -> None:
     returned to Python. When the script ends right then, the interpreter may already be finalizing: the thread's
     release of a tensor whose Python object is gone takes the GIL, Python ends the thread (``pthread_exit``)
     inside a ``noexcept`` destructor, and the process dies with ``terminate called without an active
-    exception`` (exit code 134), a successful run reported as failed. So, with the interpreter still whole:
+    exception`` (exit code 134), a successful run reported as failed. So, with the interpreter still whole
+    (the heartbeat thread stopped first):
 
     1. wait (with the GIL released, at most ``quiet_timeout_s``) until no thread but this one is running, so every
        worker has released its last work, for the groups Whale's objects still hold as well;
