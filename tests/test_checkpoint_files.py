@@ -165,15 +165,6 @@ def test_config_refuses_a_bad_timeout():
         wh.Config(timeout_s=0)
 
 
-def test_peer_failures_are_told_apart_from_first_errors():
-    from whale.runtime.failures import is_peer_failure
-
-    assert is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:45209. This is"))
-    assert is_peer_failure(RuntimeError("[pair.cc:534] Timed out waiting 3000ms for recv operation to complete"))
-    assert not is_peer_failure(RuntimeError("injected failure on rank 1 at step 3"))
-    assert not is_peer_failure(ValueError("timed out"))
-
-
 @pytest.mark.slow
 def test_a_raising_rank_ends_the_launched_job_and_its_error_is_printed_once():
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"}

@@ -6,16 +6,18 @@ resume message for every case."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tests.distributed import run_ranks
 from tests.test_launch import PROBE, _run_launchers
 from whale import cli
-from whale.runtime import ckpt_store, failures
+from whale.runtime import attribution, ckpt_store, failures
 from whale.runtime import launch as launch_mod
 from whale.runtime.ckpt_store import CheckpointError
 
@@ -72,9 +74,11 @@ def test_config_errors_print_the_line_alone_and_peers_name_the_first_rank(ranks)
     for r in (1, 0):
         want = f"error: [rank {r}] ValueError: --stages 3 does not divide the world size 4 [...]\n"
         assert ranks(exc, r, traceback=False) == want
-    peer = ranks(_raise(RuntimeError("[../gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5123. More")), 3)
-    assert peer == ("error: [rank 3] stopped because rank 1 failed first (Connection closed by peer [127.0.0.1]:5123)"
-                    "; the first failing rank's error is its own traceback\n")
+    peer = ranks(_raise(dist.DistBackendError("[../gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5123. "
+                                              "More")), 3)
+    assert re.fullmatch(r"error: \[rank 3\] stopped (at step \d+, .* )?because rank 1 failed first with ValueError "
+                        r"\(Connection closed by peer \[127.0.0.1\]:5123\); its error is printed once, as its own "
+                        r"traceback\n", peer), peer
 
 
 def test_ctrl_c_is_one_line_for_the_job(ranks):
@@ -90,16 +94,15 @@ def _failed(exitcodes: dict) -> Exception:
                                                            error_file="/nonexistent") for r, c in exitcodes.items()})
 
 
-def test_the_launcher_names_the_recorded_first_rank():
+def test_the_launcher_names_the_recorded_first_rank(tmp_path):
     """No processes. The recorded first rank wins over torchrun's earliest exit; when torchrun terminated it while
     it was exiting, the job's exit code is the failing ranks' (1), not SIGTERM's."""
     e = _failed({0: 1, 1: -15})
-    line = "error: [rank 1] ValueError: bad width"
-    assert launch_mod._failure_summary(e, (1, line)) == (
+    assert attribution.summary(e, None)[0].startswith("train.py FAILED: rank 0 failed first (exit code 1);")
+    (tmp_path / "failure-0").write_text(json.dumps({"rank": 1, "line": "error: [rank 1] ValueError: bad width"}))
+    assert attribution.summary(e, tmp_path) == (
         "train.py FAILED: rank 1 failed first (exit code 1) with ValueError; its error is printed above; "
-        "1 other rank(s) failed or were stopped after it")
-    assert launch_mod._first_failure(e, (1, line))[1] == 1
-    assert launch_mod._failure_summary(e).startswith("train.py FAILED: rank 0 failed first (exit code 1);")
+        "1 other rank(s) failed or were stopped after it", 1)
 
 
 def test_error_report_through_the_store_under_plain_torchrun():

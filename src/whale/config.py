@@ -128,7 +128,7 @@ class Config:
             floor). Needs a sample batch; the plan's notes list the runner-ups and why they lost.
         timeout_s: seconds a collective may wait for its peers before it fails (the process group's
             ``timeout``), so a rank that died or raised ends every rank instead of leaving them waiting; ``None``:
-            torch's default (10 min on gloo/NCCL). Applies when :func:`whale.init` creates the process group.
+            10 minutes. Applies to the groups :func:`whale.init` and the engine create (every ``new_group``).
         nonfinite: what a training step does when a loss or a gradient is NaN/inf (checked on every rank before
             the optimizer step: :mod:`whale.runtime.nonfinite`). ``"raise"`` (the default): every rank raises
             :class:`whale.NonFiniteError` naming the step, the first non-finite tensor and the fix; the weights
@@ -203,8 +203,8 @@ class Config:
                               "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "
                               "slice of the optimizer state) or zero=0")
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
-            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for torch's "
-                              "default collective timeout")
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for the "
+                              "default collective timeout (600 s)")
         if self.auto not in (True, False):
             raise ConfigError(f"auto={self.auto!r} must be True or False")
         if self.nonfinite not in NONFINITE_POLICIES:

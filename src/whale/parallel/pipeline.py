@@ -136,6 +136,8 @@ class StageExecutor:
             its autocast, the loss on its fp32 cast of the output, backward from its scaled loss.
         emulator: emulation only (``None`` on real hardware): stretches each compute segment to the declared
             device's speed (:class:`whale.runtime.emulation.EmulatedDevice`).
+        on_phase: called with each phase's name ("forward micro-batch 3", "backward micro-batch 0", "pipeline
+            sends") as it starts (the engine's heartbeat: :mod:`whale.runtime.heartbeat`).
     """
 
     def __init__(self, module: torch.nn.Module, links: StageLinks, loss_fn: Callable, device: torch.device,
@@ -143,6 +145,7 @@ class StageExecutor:
         self.module, self.links, self.loss_fn, self.device = module, links, loss_fn, device
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
+        self.on_phase: Callable[[str], None] = lambda phase: None
         self._first_meta: dict[str, dict] = {"sent": {}, "received": {}}  # per peer: previous step's first description
         self.precision = None
 
@@ -153,6 +156,8 @@ class StageExecutor:
         t0 = time.perf_counter()
         for a in actions:
             begin = time.perf_counter()
+            self.on_phase(f"{'forward' if train else 'eval forward'} micro-batch {a.mb}" if a.kind == "F"
+                          else f"backward micro-batch {a.mb}")
             if a.kind == "F":
                 self._forward(a.mb, work, train, state, result)
             elif train:
@@ -162,6 +167,7 @@ class StageExecutor:
             c0, c1 = state.segment
             result.timeline.append((str(a), begin - t0, c0 - t0, c1 - t0))
             state.sends = [(w, b) for w, b in state.sends if not _reaped(w)]
+        self.on_phase("pipeline sends")
         for work_item, _ in state.sends:
             work_item.wait()
         return result

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from whale.cluster import ClusterSpec
 from whale.config import Config
 from whale.frontend.planning import resolve_cluster
-from whale.runtime import failures
+from whale.runtime import failures, heartbeat, lifetime
+
+DEFAULT_TIMEOUT_S = 600.0
+"""The collective timeout when ``Config.timeout_s`` is ``None``: 10 minutes (gloo's own default is 30)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,10 @@ def init(config: Config | None = None) -> Context:
     one-process group. Backend: ``config.backend`` or NCCL when CUDA is available, else gloo. Seeds torch's
     default CPU and CUDA generators with ``config.seed`` on every rank so models built next are identical
     (training forwards draw from streams of their own: see :mod:`whale.runtime.rng`). If a process group
-    already exists (tests, or a user who created it), it is reused. ``config.timeout_s`` becomes the group's
-    collective timeout.
+    already exists (tests, or a user who created it), it is reused. ``config.timeout_s`` (default 10 minutes)
+    becomes the collective timeout of the group and of every group created after it. Under ``whale launch`` or
+    torchrun the worker dies with its launcher (:mod:`whale.runtime.lifetime`) and writes heartbeats
+    (:mod:`whale.runtime.heartbeat`).
 
     The returned context is also remembered as the default for :func:`whale.parallelize` (the way
     ``torch.distributed`` remembers its default group); pass ``ctx=`` there to be explicit.
@@ -64,16 +69,19 @@ def init(config: Config | None = None) -> Context:
         config = config.replace(cluster=os.environ["WHALE_CLUSTER"])
     cuda = torch.cuda.is_available() and config.backend != "gloo"
     backend = config.backend or ("nccl" if cuda else "gloo")
+    lifetime.exit_with_parent()  # a worker of a launcher that died exits (whale.runtime.lifetime)
+    timeout = _default_timeout(config)
     if not dist.is_initialized():
-        timeout = {"timeout": timedelta(seconds=config.timeout_s)} if config.timeout_s else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, **timeout, **_restart_store())
+            dist.init_process_group(backend, timeout=timeout, **_restart_store())
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif config.timeout_s:  # a group made by the caller: its collectives get this timeout from now on
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=config.timeout_s))
+        dist.distributed_c10d._set_pg_timeout(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     failures.install(rank, world)  # one error line per failing rank, one traceback (whale.runtime.failures)
+    if world > 1:
+        heartbeat.start(rank)  # this rank's step and phase for the launcher (whale.runtime.heartbeat)
     if not _TEARDOWN:
         _TEARDOWN.append(atexit.register(teardown))
     if backend == "nccl":
@@ -88,6 +96,16 @@ def init(config: Config | None = None) -> Context:
     return ctx
 
 
+def _default_timeout(config: Config) -> timedelta:
+    """``config.timeout_s`` (else :data:`DEFAULT_TIMEOUT_S`) as the timeout of the world group and of every group
+    created after it: torch gives ``new_group`` (Whale's meshes, ``DeviceMesh``, checkpointing) its own default
+    (30 min on gloo) unless told, so the module default that ``new_group`` reads is set too."""
+    timeout = timedelta(seconds=config.timeout_s or DEFAULT_TIMEOUT_S)
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
 _TEARDOWN: list = []
 
 
@@ -99,7 +117,8 @@ def teardown(quiet_timeout_s: float = 2.0) -> None:
     returned to Python. When the script ends right then, the interpreter may already be finalizing: the thread's
     release of a tensor whose Python object is gone takes the GIL, Python ends the thread (``pthread_exit``)
     inside a ``noexcept`` destructor, and the process dies with ``terminate called without an active
-    exception`` (exit code 134), a successful run reported as failed. So, with the interpreter still whole:
+    exception`` (exit code 134), a successful run reported as failed. So, with the interpreter still whole
+    (the heartbeat thread stopped first):
 
     1. wait (with the GIL released, at most ``quiet_timeout_s``) until no thread but this one is running, so every
        worker has released its last work, for the groups Whale's objects still hold as well;
@@ -107,6 +126,7 @@ def teardown(quiet_timeout_s: float = 2.0) -> None:
        gone and a group's destructor waits for queued work): the groups only torch held are destroyed, their
        worker threads joined.
     """
+    heartbeat.stop()
     _wait_until_quiet(quiet_timeout_s)
     if dist.is_available() and dist.is_initialized() and not failures.reported():
         dist.destroy_process_group()

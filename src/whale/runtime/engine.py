@@ -29,7 +29,7 @@ from whale.parallel.stages import build_stage
 from whale.parallel.zero import build_grad_sync
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
-from whale.runtime import checkpoint
+from whale.runtime import checkpoint, heartbeat
 from whale.runtime.batch import BatchError, agree_on_batch, batch_size, slice_rows
 from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
@@ -122,6 +122,7 @@ class Engine(GradientUpdate):
                                       ctx.device, self.split.counts_loss(plan, self.lane), self._arm)
         self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
         self.executor.precision = self.precision if self.precision.dtype is not None else None
+        self.executor.on_phase = heartbeat.beat
         self._set_emulator(calibrate(ctx.cluster, ctx.rank, ctx.world_size))
         self.rng = RankStreams(self.module, self.split.regions, plan, self.stage, self.lane, ctx.config.seed,
                                ctx.device, lambda: self.steps_done)  # per-lane / per-shard random streams
@@ -226,6 +227,7 @@ class Engine(GradientUpdate):
             NonFiniteError, LossShapeError: a NaN/inf loss or gradient, a non-scalar loss (all ranks raise).
         """
         start = time.perf_counter()
+        heartbeat.beat("batch check", step=self.steps_done + 1)  # the launcher names a hung rank's step, phase
         work = self._checked_micro_batches(batch, "step")
         return self._train(work, start, batch_size(batch))
 
@@ -252,6 +254,7 @@ class Engine(GradientUpdate):
                 needs the split group's targets: use :meth:`step`).
         """
         start = time.perf_counter()
+        heartbeat.beat("batch check", step=self.steps_done + 1)
         return self._train(local_work(self, batch, global_batch, "local"), start, global_batch)
 
     def _train(self, work: MicroBatches, start: float, samples: int) -> dict:
@@ -267,10 +270,13 @@ class Engine(GradientUpdate):
         self.nonfinite.start()
         result = self.executor.run(self.actions, work, train=True)
         schedule_time = time.perf_counter() - start
+        heartbeat.beat("gradient sync")
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
+        heartbeat.beat("optimizer")
         loss, norm, skipped = self._apply_gradients(result.loss_sum)
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self.steps_done += 1
+        heartbeat.beat("after the step (in the training script)")
         self.history.record(StepTiming(result.busy, schedule_time, self._rows))
         if self.ctx.config.rebalance_after and self.steps_done == self.ctx.config.rebalance_after:
             self.rebalance()
@@ -377,6 +383,7 @@ class Engine(GradientUpdate):
         (collective; :mod:`whale.runtime.checkpoint`); ``extra``: plain Python (data position, ...). Returns the
         published directory."""
         scaler = self.precision.scaler
+        heartbeat.beat("checkpoint save")
         with self._whole(), device_keyed(self.offload):
             return checkpoint.save(path, self, extra or {}, scaler.state_dict() if scaler is not None else None)
 
@@ -388,6 +395,7 @@ class Engine(GradientUpdate):
         Raises:
             CheckpointError: no complete checkpoint; a damaged file (named); another model or optimizer.
         """
+        heartbeat.beat("checkpoint load")
         with self._whole(write_back=True), device_keyed(self.offload):
             restored = checkpoint.load(path, self)
         if self.offload is not None:

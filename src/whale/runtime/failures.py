@@ -11,8 +11,12 @@ multi-rank job: under ``whale launch`` and ``torchrun`` alike) replaces ``sys.ex
   ``error: [rank R] Type: message`` line;
 * every later failing rank: its one ``error:`` line, saying that its traceback is the first rank's (the same
   mistake on every rank) or naming the file that holds it;
-* a rank stopped by a peer's failure (:func:`is_peer_failure`): one line saying so, naming the first failing rank
-  when known;
+* a rank stopped by a peer's failure: one line saying so, naming the first failing rank. Whether an exception
+  is a peer's doing is decided by what the ranks know, never by its message: it is a communication error
+  (:func:`is_communication_error`: raised inside ``torch.distributed`` or by a ``.wait()`` on a collective's work)
+  raised while another rank's failure is recorded. A communication error with no record (a peer killed, or hung
+  until the collective timed out) prints its one line and says so; ``whale launch`` then names the rank from
+  the ranks' exits and heartbeats (:mod:`whale.runtime.heartbeat`);
 * ``KeyboardInterrupt``: one short line for the whole job (the first rank interrupted), nothing on the others.
 
 The exit code stays what Python gives an uncaught exception (1; a signal's for Ctrl-C). Under ``whale launch``
@@ -25,30 +29,61 @@ many, never none).
 from __future__ import annotations
 
 import contextlib
+import json
+import linecache
 import os
 import re
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback as tb_mod
 from pathlib import Path
 
 import torch.distributed as dist
 
-PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
-                "timeout", "Socket Timeout", "connection refused")
-"""Fragments of the messages torch.distributed raises when a peer is gone or silent."""
+from whale.runtime import heartbeat
 
 ERROR_DIR_ENV = "WHALE_ERROR_DIR"
 """Environment variable naming the launch's error directory (set by ``whale launch`` for its workers)."""
 
+PEER_WAIT_S = 0.5
+"""Seconds a rank whose collective failed waits for a peer's failure record before it reports (the peer that
+raised records it before its sockets close, so this only bounds a race)."""
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """True when ``exc`` is a collective failing because another rank failed or stopped responding."""
-    backend_error = getattr(dist, "DistBackendError", ())
-    text = str(exc)
-    return isinstance(exc, backend_error) or (isinstance(exc, RuntimeError) and any(f in text for f in PEER_FAILURE))
+
+def is_communication_error(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it was raised from or during) is a failed communication: a
+    ``torch.distributed.DistError`` (backend, network, store errors), or a ``RuntimeError`` whose innermost
+    traceback frame is inside ``torch.distributed`` (a collective, a point-to-point call, the store) or on a
+    ``.wait()`` of a collective's work (Whale's asynchronous collectives). Decided by types and by where it was
+    raised, never by the message: a data loader's "timed out" is no communication error."""
+    dist_error = getattr(dist, "DistError", ())
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, dist_error) or (isinstance(exc, RuntimeError) and _raised_communicating(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _raised_communicating(exc: BaseException) -> bool:
+    """Whether ``exc``'s innermost traceback entry is communication (:func:`heartbeat.in_communication`)."""
+    frames = tb_mod.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if not frames:
+        return False
+    last = frames[-1]
+    line, col, end = last.line or "", getattr(last, "colno", None), getattr(last, "end_colno", None)
+    same_line = getattr(last, "end_lineno", last.lineno) == last.lineno
+    segment = line if col is None or not same_line else _source_line(last)[col:end]
+    return heartbeat.in_communication(last.filename, segment)
+
+
+def _source_line(frame: tb_mod.FrameSummary) -> str:
+    """The raw (unstripped) source line of a traceback entry: the columns count from its start."""
+    return linecache.getline(frame.filename, frame.lineno or 0).rstrip("\n")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -106,23 +141,56 @@ def recorded(kind: str) -> str | None:
         return None
 
 
-def _parse(text: str | None) -> tuple[int, str, str] | None:
-    """``(rank, error line, traceback)`` of a record made by :func:`report_error`."""
-    parts = (text or "").split("\n", 2)
-    if len(parts) < 2 or not parts[0].strip().isdigit():
+def _parse(text: str | None) -> dict | None:
+    """The failure record made by :func:`report_error` (``rank``, ``type``, ``message``, ``time``, ``line``,
+    ``traceback``), or ``None``."""
+    try:
+        found = json.loads(text) if text else None
+    except ValueError:
         return None
-    return int(parts[0]), parts[1], parts[2] if len(parts) > 2 else ""
+    return found if isinstance(found, dict) and isinstance(found.get("rank"), int) else None
+
+
+def _latest(folder: str | os.PathLike, pattern: str) -> list[Path]:
+    """The files ``<kind>-<attempt>[...]`` of the latest torchrun attempt in ``folder``."""
+    files = [(int(p.name.split("-")[1].split(".")[0]), p) for p in Path(folder).glob(pattern)]
+    latest = max((a for a, _ in files), default=None)
+    return [p for a, p in files if a == latest]
 
 
 def first_failure(folder: str | os.PathLike) -> tuple[int, str] | None:
     """``(rank, error line)`` of the first failing rank recorded in the error directory ``folder`` (the latest
-    torchrun attempt there), or ``None`` when no rank recorded a failure."""
+    torchrun attempt there), or ``None`` when no rank recorded a failure (communication errors are no failure
+    of their own: they are not recorded here)."""
     try:
-        files = sorted(Path(folder).glob("failure-*"), key=lambda p: int(p.name.split("-")[1]))
-        found = _parse(files[-1].read_text()) if files else None
+        found = [_parse(p.read_text()) for p in _latest(folder, "failure-*")]
     except (OSError, ValueError):
         return None
-    return found[:2] if found else None
+    return (found[0]["rank"], found[0]["line"]) if found and found[0] else None
+
+
+def reports(folder: str | os.PathLike) -> dict[int, dict]:
+    """Every rank's own report in ``folder`` (latest attempt): ``{rank: {"kind": "error" | "peer" |
+    "interrupt", "type", "message", "time"}}``; a rank that exited without reporting (killed, hung then
+    terminated) has none."""
+    out = {}
+    for p in _latest(folder, "report-*-rank*.json"):
+        try:
+            rep = json.loads(p.read_text())
+            out[int(rep["rank"])] = rep
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def _report_file(rank: int, kind: str, exc: BaseException) -> None:
+    """Write this rank's own report for the launcher (under ``whale launch`` only)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return
+    rep = {"rank": rank, "kind": kind, "type": type(exc).__name__, "message": str(exc)[:500], "time": time.time()}
+    with contextlib.suppress(OSError):
+        Path(folder, f"report-{_attempt()}-rank{rank}.json").write_text(json.dumps(rep))
 
 
 def error_line(exc: BaseException, rank: int | None = None) -> str:
@@ -135,13 +203,39 @@ def error_line(exc: BaseException, rank: int | None = None) -> str:
     return f"error: {where}{type(exc).__name__}" + (f": {lines[0]}{more}" if lines else "")
 
 
-def _peer_line(exc: BaseException, rank: int) -> str:
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo's "[file.cc:553] " prefix
-    first = text.splitlines()[0].split(". ")[0][:160] if text else type(exc).__name__
-    known = _parse(recorded("failure"))
-    who = f"rank {known[0]} failed first" if known else "another rank failed or stopped responding"
-    return (f"error: [rank {rank}] stopped because {who} ({first}); the first failing rank's error is its own "
-            "traceback")
+def short_message(text: str) -> str:
+    """A communication error's message without gloo's ``[file.cc:553]`` prefix: its first sentence, at most
+    160 characters."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip())
+    return text.splitlines()[0].split(". ")[0][:160] if text else ""
+
+
+def _short(exc: BaseException) -> str:
+    return short_message(str(exc)) or type(exc).__name__
+
+
+def _wait_for_failure(timeout_s: float) -> dict | None:
+    """The recorded first failure, polled for up to ``timeout_s`` (a peer that raised records it first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        known = _parse(recorded("failure"))
+        if known is not None or time.monotonic() >= deadline:
+            return known
+        time.sleep(0.05)
+
+
+def _peer_line(exc: BaseException, rank: int, known: dict | None) -> str:
+    """One line for a rank whose collective failed: because of ``known`` (the recorded first failure), or, with
+    none, because a peer died or stopped responding (the launcher names it); with this rank's step and phase."""
+    step, phase = heartbeat.current()
+    at = f" at step {step}, {phase}" if step else ""
+    if known is not None:
+        return (f"error: [rank {rank}] stopped{at} because rank {known['rank']} failed first with "
+                f"{known['type']} ({_short(exc)}); its error is printed once, as its own traceback")
+    path = _traceback_file(_traceback_text(exc, ""), rank)
+    where = f"; traceback in {path}" if path else ""
+    return (f"error: [rank {rank}] {type(exc).__name__}: a collective failed{at} ({_short(exc)}) and no rank "
+            f"reported an error: a peer died or stopped responding (the launcher names it){where}")
 
 
 def _traceback_text(exc: BaseException, head: str) -> str:
@@ -204,24 +298,28 @@ def _report(exc: BaseException, traceback: bool, file) -> None:
     """:func:`report_error`'s work."""
     rank, world = _rank_world()
     if isinstance(exc, KeyboardInterrupt):
-        mine = f"{rank}\nKeyboardInterrupt\n"
+        _report_file(rank, "interrupt", exc)
+        mine = json.dumps({"rank": rank, "type": "KeyboardInterrupt", "message": "", "time": time.time()})
         if record("interrupt", mine) in (mine, None):
             print(f"interrupted (KeyboardInterrupt, first on rank {rank}): stopping", file=file, flush=True)
         return
-    if world > 1 and is_peer_failure(exc):
-        print(_peer_line(exc, rank), file=file, flush=True)
+    if world > 1 and is_communication_error(exc):
+        _report_file(rank, "peer", exc)
+        print(_peer_line(exc, rank, _wait_for_failure(PEER_WAIT_S)), file=file, flush=True)
         return
+    _report_file(rank, "error", exc)
     line = error_line(exc, rank if world > 1 else None)
     text = _traceback_text(exc, "") if traceback else ""
-    mine = f"{rank}\n{line}\n{text}"
-    first = _parse(record("failure", mine) or mine)
+    mine = json.dumps({"rank": rank, "type": type(exc).__name__, "message": str(exc)[:500], "time": time.time(),
+                       "line": line, "traceback": text})
+    first = _parse(record("failure", mine)) or _parse(mine)
     if not traceback:
         print(line, file=file, flush=True)
-    elif first[0] == rank:
+    elif first["rank"] == rank:
         print(_traceback_text(exc, f"error: [rank {rank}] " if world > 1 else "error: "), end="", file=file,
               flush=True)
-    elif first[2] == text:
-        print(f"{line} (the same traceback as rank {first[0]}'s)", file=file, flush=True)
+    elif first["traceback"] == text:
+        print(f"{line} (the same traceback as rank {first['rank']}'s)", file=file, flush=True)
     else:
         path = _traceback_file(text, rank)
         print(line + (f" (traceback in {path})" if path else ""), file=file, flush=True)

@@ -16,16 +16,14 @@ separate from :func:`launch`, which only runs torchrun and returns an exit code.
 from __future__ import annotations
 
 import os
-import re
 import shlex
-import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from whale.cluster import ClusterError, ClusterSpec
-from whale.runtime import failures
+from whale.runtime import attribution, failures, lifetime
 
 __all__ = ["LaunchError", "check_cluster_size", "torchrun_args", "torchrun_command", "worker_env", "launch"]
 
@@ -168,33 +166,6 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _first_failure(e, recorded: tuple[int, str] | None) -> tuple[int, int, str]:
-    """``(rank, exit code, exception type name or "")`` of the rank that failed first: the one whose error report
-    recorded it first (:func:`whale.runtime.failures.record`), else torchrun's earliest (a rank killed by a
-    signal, or a script without ``wh.init``). A recorded rank that torchrun terminated while it was still exiting
-    (SIGTERM after another rank's exit) gets the exit code of the rank torchrun saw fail first."""
-    earliest_rank, earliest = e.get_first_failure()
-    if recorded is None or recorded[0] not in e.failures:
-        return earliest_rank, earliest.exitcode, ""
-    rank, line = recorded
-    kind = re.match(r"error: (?:\[rank \d+\] )?([\w.]+)", line)
-    code = e.failures[rank].exitcode
-    if code == -signal.SIGTERM and earliest.exitcode >= 0:
-        code = earliest.exitcode
-    return rank, code, kind.group(1) if kind else ""
-
-
-def _failure_summary(e, recorded: tuple[int, str] | None = None) -> str:
-    """One line for torchrun's ``ChildFailedError``: the rank that failed first (its own error is printed above,
-    once, by that rank) and how many others were stopped after it (instead of torchrun's table of every rank)."""
-    rank, code, kind = _first_failure(e, recorded)
-    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    others = len(e.failures) - 1
-    tail = f"; {others} other rank(s) failed or were stopped after it" if others else ""
-    what = f" with {kind}" if kind else ""
-    return f"{e.name} FAILED: rank {rank} failed first ({how}){what}; its error is printed above{tail}"
-
-
 def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
     """Run torchrun in this process with ``env`` as the environment; return a shell-style exit code.
 
@@ -215,10 +186,9 @@ def _run(args: Sequence[str], env: Mapping[str, str]) -> int:
         torchrun_main(list(args))
         return 0
     except ChildFailedError as e:
-        folder = env.get(failures.ERROR_DIR_ENV)
-        recorded = failures.first_failure(folder) if folder else None
-        print(_failure_summary(e, recorded), file=sys.stderr, flush=True)
-        return _exit_code(_first_failure(e, recorded)[1]) or 1
+        line, code = attribution.summary(e, env.get(failures.ERROR_DIR_ENV))
+        print(line, file=sys.stderr, flush=True)
+        return _exit_code(code) or 1
     except SignalException as e:
         return 128 + int(e.sigval)
     finally:
@@ -263,7 +233,7 @@ def launch(
         return 0
     folder = tempfile.mkdtemp(prefix="whale-errors-")  # the workers' error reports (whale.runtime.failures)
     try:
-        return _run(args, {**env, failures.ERROR_DIR_ENV: folder})
+        return _run(args, {**env, failures.ERROR_DIR_ENV: folder, lifetime.LAUNCHER_PID_ENV: str(os.getpid())})
     finally:
         _tidy(folder)
 
@@ -272,7 +242,7 @@ def _tidy(folder: str) -> None:
     """Remove the error directory's first-error records; the directory too unless it holds traceback files (an
     ``error:`` line names them)."""
     for p in Path(folder).glob("*"):
-        if p.name.startswith(("failure-", "interrupt-")):
+        if p.name.startswith(("failure-", "interrupt-", "report-", "heartbeat-", ".")):
             p.unlink(missing_ok=True)
     try:
         os.rmdir(folder)
