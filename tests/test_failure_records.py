@@ -206,7 +206,8 @@ def test_every_group_gets_the_configured_or_the_documented_default_timeout():
     """gloo ranks: groups created after ``wh.init`` (Whale's mesh, a user's ``new_group``) time out after
     ``Config.timeout_s``; by default, and on the world group ``wh.init`` creates, after the documented 10 minutes
     (torch's gloo default is 30)."""
-    assert run_ranks(_timeouts, 2, 45.0, timeout=90) == [(45.0, 45.0)] * 2  # 7 s: a rank of a loaded host timed out in the other's group set-up
+    # 45 s, not less: on a loaded 2-core host one rank may wait that long for its peer to join the new group
+    assert run_ranks(_timeouts, 2, 45.0, timeout=90) == [(45.0, 45.0)] * 2
     assert [t[0] for t in run_ranks(_timeouts, 2, None, timeout=90)] == [600.0] * 2
     assert run_ranks(_own_world_group, 1, timeout=60) == [600.0]
 
