@@ -1,13 +1,14 @@
 """Checkpoints that load under any plan: ``torch.distributed.checkpoint`` (DCP) files of whole tensors keyed by
 the unannotated model's FQNs, published atomically.
 
-What a checkpoint holds (see :mod:`whale.runtime.fqn_state` for the keys and :mod:`whale.runtime.ckpt_store`
-for the directory layout and the atomic save): every parameter and buffer whole, once (split shards gathered
-over their group, replicas written by their stage's first lane only, a weight tied across stages under each of
-its names); the optimizer state per parameter whole under the parameter's canonical FQN (ZeRO slices
-assembled); the optimizer's param-group hyperparameters by group index; the step; the user streams' RNG state
-of rank 0 (the same on every rank, :mod:`whale.runtime.rng`); fp16's loss-scaler state; the user's ``extra``
-(plain Python, e.g. the data position and LR-scheduler ``state_dict()``); and the plan it was saved under.
+What a checkpoint holds (see :mod:`whale.runtime.fqn_state` for the keys, :mod:`whale.runtime.ckpt_store`
+for the directory layout and the atomic save, :mod:`whale.runtime.ckpt_io` for who writes and hashes which
+bytes): every parameter and buffer whole, once (split shards gathered over their group, each tensor written by
+one of the ranks holding it, spread evenly over them, a weight tied across stages under each of its names);
+the optimizer state per parameter whole under the parameter's canonical FQN (ZeRO slices assembled); the
+optimizer's param-group hyperparameters by group index; the step; the user streams' RNG state of rank 0 (the
+same on every rank, :mod:`whale.runtime.rng`); fp16's loss-scaler state; the user's ``extra`` (plain Python,
+e.g. the data position and LR-scheduler ``state_dict()``); and the plan it was saved under.
 
 Loading under another plan (other world size, stages, shard sizes, ZeRO) works because each rank reads the
 whole tensors its new stage needs and cuts its own shard and ZeRO range from them; the lane shares of the saved
@@ -17,6 +18,7 @@ The per-lane dropout streams need no state: they are derived from the seed and t
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.plan.plan import Plan
+from whale.runtime import ckpt_io
 from whale.runtime import ckpt_store as store
 from whale.runtime.ckpt_store import CheckpointError
 from whale.runtime.fqn_state import (
@@ -83,8 +86,6 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
         CheckpointError: ``path`` is a file or lies under one, on every rank before any collective
             (:func:`whale.runtime.ckpt_store.check_root`).
     """
-    import torch.distributed.checkpoint as dcp
-
     store.check_root(path)
 
     step, plan, rank = engine.steps_done, engine.plan, engine.rank
@@ -92,32 +93,36 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
     slots = model_slots(engine.module)
     state = whole_model_state(slots)  # collectives first, in the same order on every rank
     state.update(whole_optim_state(engine.optimizer, slots, plan, engine.zero))
-    if engine.lane != 0:
-        state = {}  # the stage's first lane writes it (after the gathers its tensors are whole)
+    files = {}  # every lane keeps its whole tensors: DCP writes each once, spread over its holders (ckpt_io)
     if rank == 0:
         tmp = store.begin(path, step)
-        torch.save(_meta(engine, step, extra, loss_scale), tmp / store.META)
+        files[store.META] = ckpt_io.write_meta(tmp / store.META, _meta(engine, step, extra, loss_scale))
     if many:
         dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(store.tmp_dir(path, step))))
+    files.update(ckpt_io.save_state(state, store.tmp_dir(path, step), rank))
+    files = ckpt_io.gather_entries(files)  # the writers' digests, on rank 0
     final = ""
     if rank == 0:
-        info = {"format": "whale-dcp-1", "world_size": plan.world_size, "plan": plan.to_json()}
+        info = {"format": ckpt_io.FORMAT, "world_size": plan.world_size, "plan": plan.to_json(), "files": files}
         final = os.fspath(store.publish(path, step, info, keep))
     if many:
         dist.barrier()
     return final or os.fspath(store.tmp_dir(path, step).with_name(store.step_name(step)))
 
 
-def read_meta(ckpt) -> dict:
-    """``whale.pt`` of a (verified) checkpoint directory, read with ``weights_only=True``.
+def read_meta(ckpt, info: dict | None = None) -> dict:
+    """``whale.pt`` of a checkpoint directory, read with ``weights_only=True``; with the manifest ``info`` of a
+    checkpoint hashed by its writers, its bytes are checked against their digest as read (else the directory
+    must have been verified).
 
     Raises:
-        CheckpointError: the file does not unpickle as plain data (naming it).
+        CheckpointError: the file is missing, truncated or corrupted, or does not unpickle as plain data (named).
     """
     f = ckpt / store.META
+    source = io.BytesIO(ckpt_io.read_whole(f, info["files"][store.META])) \
+        if info is not None and ckpt_io.hashed_by_writers(info) else f
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"checkpoint file {f} cannot be read as plain data ({type(exc).__name__}: "
                               f"{str(exc)[:200]}); load an earlier step directory") from None
@@ -126,15 +131,15 @@ def read_meta(ckpt) -> dict:
 def load(path: str, engine) -> Restored:
     """Restore ``engine``'s parameters, optimizer state, RNG from the latest complete checkpoint under ``path``
     (or ``path`` itself when it is a step directory), whatever plan saved it. No collective: every rank reads
-    what it needs.
+    what it needs, and checks what it reads against its writer's SHA-256 (:mod:`whale.runtime.ckpt_io`).
 
     Raises:
         CheckpointError: no complete checkpoint; a missing, truncated or corrupted file (named); a checkpoint of
             another model (missing tensors or other shapes) or an optimizer with another number of param groups.
     """
     ckpt = store.resolve(path)
-    info = store.read_manifest(ckpt)
-    meta = read_meta(ckpt)
+    info = ckpt_io.read_manifest(ckpt)
+    meta = read_meta(ckpt, info)
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {ckpt} has {len(saved_groups)} optimizer param group(s) but this "
@@ -142,7 +147,7 @@ def load(path: str, engine) -> Restored:
                               "groups it was trained with")
     try:
         load_whole_state(model_slots(engine.module), engine.optimizer, engine.plan,
-                         lambda request: store.read_tensors(ckpt, request), store.saved_tensors(ckpt),
+                         lambda request: ckpt_io.read_tensors(ckpt, request, info), ckpt_io.saved_tensors(ckpt, info),
                          os.fspath(ckpt), engine.zero)
     except StateMismatchError as exc:
         raise CheckpointError(str(exc)) from None
