@@ -1,13 +1,14 @@
 """Checkpoints that load under any plan: ``torch.distributed.checkpoint`` (DCP) files of whole tensors keyed by
 the unannotated model's FQNs, published atomically.
 
-What a checkpoint holds (see :mod:`whale.runtime.fqn_state` for the keys and :mod:`whale.runtime.ckpt_store`
-for the directory layout and the atomic save): every parameter and buffer whole, once (split shards gathered
-over their group, replicas written by their stage's first lane only, a weight tied across stages under each of
-its names); the optimizer state per parameter whole under the parameter's canonical FQN (ZeRO slices
-assembled); the optimizer's param-group hyperparameters by group index; the step; the user streams' RNG state
-of rank 0 (the same on every rank, :mod:`whale.runtime.rng`); fp16's loss-scaler state; the user's ``extra``
-(plain Python, e.g. the data position and LR-scheduler ``state_dict()``); and the plan it was saved under.
+What a checkpoint holds (see :mod:`whale.runtime.fqn_state` for the keys, :mod:`whale.runtime.ckpt_store`
+for the directory layout and the atomic save, :mod:`whale.runtime.ckpt_io` for who writes and hashes which
+bytes): every parameter and buffer whole, once (split shards gathered over their group, each tensor written by
+one of the ranks holding it, spread evenly over them, a weight tied across stages under each of its names);
+the optimizer state per parameter whole under the parameter's canonical FQN (ZeRO slices assembled); the
+optimizer's param-group hyperparameters by group index; the step; the user streams' RNG state of rank 0 (the
+same on every rank, :mod:`whale.runtime.rng`); fp16's loss-scaler state; the user's ``extra`` (plain Python,
+e.g. the data position and LR-scheduler ``state_dict()``); and the plan it was saved under.
 
 Loading under another plan (other world size, stages, shard sizes, ZeRO) works because each rank reads the
 whole tensors its new stage needs and cuts its own shard and ZeRO range from them; the lane shares of the saved
@@ -17,6 +18,7 @@ The per-lane dropout streams need no state: they are derived from the seed and t
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.plan.plan import Plan
-from whale.runtime import ckpt_runs
+from whale.runtime import ckpt_io, ckpt_runs
 from whale.runtime import ckpt_store as store
 from whale.runtime.ckpt_store import CheckpointError
 from whale.runtime.fqn_state import (
@@ -89,8 +91,6 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
             them: :func:`whale.runtime.ckpt_runs.claim_checkpoint_dir`); the disk is full or not writable (one
             line with the bytes needed and free, :func:`whale.runtime.ckpt_runs.disk_error`).
     """
-    import torch.distributed.checkpoint as dcp
-
     store.check_root(path)
     ckpt_runs.refuse_step_dir(path)
 
@@ -99,9 +99,7 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
     slots = model_slots(engine.module)
     state = whole_model_state(slots)  # collectives first, in the same order on every rank
     state.update(whole_optim_state(engine.optimizer, slots, plan, engine.zero))
-    if engine.lane != 0:
-        state = {}  # the stage's first lane writes it (after the gathers its tensors are whole)
-    need = ckpt_runs.total_bytes(ckpt_runs.state_bytes(state), many)
+    need = ckpt_runs.total_bytes(ckpt_runs.state_bytes(state), many)  # each key once, whoever holds it
 
     def begin() -> dict:  # rank 0: another run's directory refused, space checked, the temporary directory
         error, run, _ = ckpt_runs.decide_run(os.fspath(path), engine.run_id, overwrite=False)
@@ -110,16 +108,19 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
         ckpt_runs.check_space(path, step, need)
         with ckpt_runs.disk_errors(path, step, need, rank):
             tmp = store.begin(path, step)
-            torch.save(_meta(engine, step, extra, loss_scale), tmp / store.META)
-        return run
+            meta = ckpt_io.write_meta(tmp / store.META, _meta(engine, step, extra, loss_scale))
+        return {**run, "meta": meta}
 
     run = ckpt_runs.on_rank0(begin, rank, many, "starting the checkpoint save")
+    files = {store.META: run.pop("meta")} if rank == 0 else {}
     engine.run_id = run["run"]
-    with ckpt_runs.disk_errors(path, step, need, rank):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(store.tmp_dir(path, step))))
+    with ckpt_runs.disk_errors(path, step, need, rank):  # every lane keeps its whole tensors: DCP writes each
+        files.update(ckpt_io.save_state(state, store.tmp_dir(path, step), rank))  # once, spread (ckpt_io)
+    files = ckpt_io.gather_entries(files)  # the writers' digests, on rank 0
 
     def finish() -> str:  # rank 0: the manifest, the rename, 'latest', then the run's older checkpoints pruned
-        info = {"format": "whale-dcp-1", "world_size": plan.world_size, "plan": plan.to_json(), **run}
+        info = {"format": ckpt_io.FORMAT, "world_size": plan.world_size, "plan": plan.to_json(), **run,
+                "files": files}
         with ckpt_runs.disk_errors(path, step, need, rank):
             final = store.publish(path, step, info)
         ckpt_runs.prune(path, run["run"], keep, final)
@@ -128,45 +129,65 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
     return ckpt_runs.on_rank0(finish, rank, many, "publishing the checkpoint")
 
 
-def read_meta(ckpt) -> dict:
-    """``whale.pt`` of a (verified) checkpoint directory, read with ``weights_only=True``.
+def read_meta(ckpt, info: dict | None = None) -> dict:
+    """``whale.pt`` of a checkpoint directory, read with ``weights_only=True``; with the manifest ``info`` of a
+    checkpoint hashed by its writers, its bytes are checked against their digest as read (else the directory
+    must have been verified).
 
     Raises:
-        CheckpointError: the file does not unpickle as plain data (naming it).
+        CheckpointError: the file is missing, truncated or corrupted, or does not unpickle as plain data (named).
     """
     f = ckpt / store.META
+    source = io.BytesIO(ckpt_io.read_whole(f, info["files"][store.META])) \
+        if info is not None and ckpt_io.hashed_by_writers(info) else f
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"checkpoint file {f} cannot be read as plain data ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from None
+
+
+def _read_checked(ckpt, engine) -> tuple[dict, dict]:
+    """Checkpoint directory ``ckpt`` read into ``engine``'s parameters and optimizer state: ``(manifest, whale.pt
+    contents)``. Each rank checks the sizes of all files and the SHA-256 of the bytes it reads.
+
+    Raises:
+        CheckpointError: a missing, truncated or corrupted file (named).
+        NotThisModelError: a checkpoint of another model (missing tensors or other shapes) or an optimizer with
+            another number of param groups.
+    """
+    info = ckpt_io.read_manifest(ckpt)
+    meta = read_meta(ckpt, info)
+    saved = len(meta["param_groups"])
+    if saved != len(engine.optimizer.param_groups):
+        raise ckpt_runs.NotThisModelError(
+            f"checkpoint {ckpt} has {saved} optimizer param group(s) but this optimizer has "
+            f"{len(engine.optimizer.param_groups)}; build the optimizer with the groups it was trained with")
+    try:
+        load_whole_state(model_slots(engine.module), engine.optimizer, engine.plan,
+                         lambda request: ckpt_io.read_tensors(ckpt, request, info), ckpt_io.saved_tensors(ckpt, info),
+                         os.fspath(ckpt), engine.zero)
+    except StateMismatchError as exc:
+        raise ckpt_runs.NotThisModelError(str(exc)) from None
+    return info, meta
 
 
 def load(path: str, engine) -> Restored:
     """Restore ``engine``'s parameters, optimizer state, RNG from the newest checkpoint under ``path`` that
     verifies (or ``path`` itself when it is a step directory), whatever plan saved it: a damaged newer one is
     skipped, said once on rank 0 (:func:`whale.runtime.ckpt_runs.load_first_intact`; the ranks agree on the
-    one to load, a collective when there are several). Every rank then reads what it needs.
+    one to load, a collective when there are several). Every rank reads what it needs and checks what it reads
+    against its writer's SHA-256 (:mod:`whale.runtime.ckpt_io`), so a tensor found corrupted by any rank moves
+    every rank to the previous checkpoint (each load overwrites the whole state, so a partial read is harmless).
 
     Raises:
         CheckpointError: no checkpoint verifies (each one's reason); a missing, truncated or corrupted file of a
-            single step directory (named); a checkpoint of
-            another model (missing tensors or other shapes) or an optimizer with another number of param groups.
+            single step directory (named); a checkpoint of another model (missing tensors or other shapes) or an
+            optimizer with another number of param groups (:class:`~whale.runtime.ckpt_runs.NotThisModelError`, on
+            every rank).
     """
-    ckpt, (info, meta) = ckpt_runs.load_first_intact(path, lambda d: (store.read_manifest(d), read_meta(d)),
-                                                     engine.rank)
-    saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(engine.optimizer.param_groups):
-        raise CheckpointError(f"checkpoint {ckpt} has {len(saved_groups)} optimizer param group(s) but this "
-                              f"optimizer has {len(engine.optimizer.param_groups)}; build the optimizer with the "
-                              "groups it was trained with")
-    try:
-        load_whole_state(model_slots(engine.module), engine.optimizer, engine.plan,
-                         lambda request: store.read_tensors(ckpt, request), store.saved_tensors(ckpt),
-                         os.fspath(ckpt), engine.zero)
-    except StateMismatchError as exc:
-        raise CheckpointError(str(exc)) from None
-    for group, hyper in zip(engine.optimizer.param_groups, saved_groups, strict=True):
+    ckpt, (info, meta) = ckpt_runs.load_first_intact(path, lambda d: _read_checked(d, engine), engine.rank)
+    for group, hyper in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
         group.update(hyper)
     torch.set_rng_state(meta["rng"]["torch"])
     if "cuda" in meta["rng"] and engine.ctx.device.type == "cuda":

@@ -252,12 +252,18 @@ def load_candidates(path: str | os.PathLike) -> tuple[list[Entry], str]:
     return [e for e in entries if e.info is None or e.run == run], run
 
 
+class NotThisModelError(CheckpointError):
+    """A checkpoint that is intact but does not fit this model or optimizer (raised by a ``verify`` of
+    :func:`load_first_intact`: every rank then raises it, no fallback)."""
+
+
 def load_first_intact(path: str | os.PathLike, verify, rank: int):
     """``(directory, verify(directory))`` of the newest checkpoint under ``path`` that verifies on every rank
     (``verify`` raises :class:`CheckpointError` for a damaged one; collective when several ranks). Rank 0 prints
     once which newer ones it skipped and why.
 
     Raises:
+        NotThisModelError: on every rank, when ``verify`` raised it on any (the checkpoint fits another model).
         CheckpointError: on every rank, when none verifies (each one's reason), or for a single step directory
             that does not.
     """
@@ -272,12 +278,15 @@ def load_first_intact(path: str | os.PathLike, verify, rank: int):
         try:
             result = verify(e.path)
         except CheckpointError as exc:
-            err = str(exc)
+            err = (str(exc), isinstance(exc, NotThisModelError))
         errs = [err]
         if many:
             errs = [None] * dist.get_world_size()
             dist.all_gather_object(errs, err)
-        bad = next(((r, x) for r, x in enumerate(errs) if x), None)
+        wrong = next((x[0] for x in errs if x and x[1]), None)
+        if wrong is not None:  # not damage: an older checkpoint of the same run would not fit either
+            raise NotThisModelError(wrong)
+        bad = next(((r, x[0]) for r, x in enumerate(errs) if x), None)
         if bad is None:
             if skipped and rank == 0:
                 print(f"checkpoint: skipped {_reasons(skipped)}; loading {e.path.name}, the newest intact "
@@ -295,18 +304,19 @@ def _reasons(skipped: list[tuple[str, str]]) -> str:
     return "; ".join(f"{name} ({why})" for name, why in skipped)
 
 
-def state_bytes(state: dict) -> int:
-    """Bytes of the tensors in a (flat) state dict: what this rank's part of a checkpoint needs on disk."""
-    return sum(v.numel() * v.element_size() for v in state.values() if hasattr(v, "element_size"))
+def state_bytes(state: dict) -> dict[str, int]:
+    """Bytes of each tensor of a (flat) state dict: ``{key: bytes}``, this rank's part of a checkpoint."""
+    return {k: v.numel() * v.element_size() for k, v in state.items() if hasattr(v, "element_size")}
 
 
-def total_bytes(mine: int, many: bool) -> int:
-    """Every rank's ``mine`` summed (collective when several ranks): the data files' bytes of one checkpoint."""
+def total_bytes(mine: dict[str, int], many: bool) -> int:
+    """Bytes of the data files of one checkpoint: every key of every rank's ``mine`` counted once (replicas hold
+    the same keys; each is written by one of them, :mod:`whale.runtime.ckpt_io`). Collective when several ranks."""
     if not many:
-        return mine
-    out = [0] * dist.get_world_size()
+        return sum(mine.values())
+    out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
-    return sum(out)
+    return sum({k: v for part in out for k, v in part.items()}.values())
 
 
 def _free(root: Path) -> int:

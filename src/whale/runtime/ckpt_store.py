@@ -4,17 +4,19 @@ Layout of ``ROOT`` (the path given to ``save_checkpoint``/``load_checkpoint``)::
 
     ROOT/latest               text: the name of the newest complete step directory (written last, os.replace)
     ROOT/step-00000040/       one complete checkpoint
-        __0_0.distcp ...      torch.distributed.checkpoint data files (one per writing rank)
+        __0_0.distcp ...      torch.distributed.checkpoint data files (one per writing rank: every rank)
         .metadata             DCP's index of the tensors
         whale.pt              step, RNG, optimizer hyperparameters, user ``extra`` (rank 0; weights_only)
         whale.json            the completion marker, written after everything else: plan, step, world size,
-                              and the byte size and SHA-256 of every other file
+                              and the byte size and SHA-256 of every other file (per tensor for the data
+                              files), each computed by the rank that wrote it while writing
     ROOT/.tmp-step-00000050/  a save in progress (or killed): never read, removed by the next save
 
 A save writes into ``.tmp-step-N``, then renames it to ``step-N`` (atomic on one file system) and then points
-``latest`` at it, so a save killed at any moment leaves the previous checkpoint loadable. Loading verifies every
-file against the manifest before reading any, so a truncated or corrupted file is reported by name and DCP's
-pickled ``.metadata`` is only read when it is the file that was written; tensors are read with
+``latest`` at it, so a save killed at any moment leaves the previous checkpoint loadable. Loading checks every
+file's size, and each rank the SHA-256 of the bytes it reads as it reads them (:mod:`whale.runtime.ckpt_io`;
+:func:`read_manifest` verifies everything, for the CLI), so a truncated or corrupted file is reported by name
+and DCP's pickled ``.metadata`` is only unpickled when it is the file that was written; tensors are read with
 ``weights_only=True``. Which run a checkpoint is of, pruning by publish order and the fallback from a damaged
 checkpoint are :mod:`whale.runtime.ckpt_runs`'.
 """
@@ -41,11 +43,15 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, offset: int = 0, length: int | None = None) -> str:
+    """SHA-256 (hex) of ``length`` bytes of ``path`` from ``offset`` (``None``: to the end), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        f.seek(offset)
+        left = float("inf") if length is None else length
+        while left > 0 and (block := f.read(int(min(left, 1 << 20)))):
             h.update(block)
+            left -= len(block)
     return h.hexdigest()
 
 
@@ -96,10 +102,12 @@ def tmp_dir(root: str | os.PathLike, step: int) -> Path:
 
 def publish(root: str | os.PathLike, step: int, info: dict) -> Path:
     """Rank 0, after every rank's data is in the temporary directory: write the manifest (``info`` plus file
-    sizes and hashes), rename the directory to ``step-N``, point ``latest`` at it (pruning is the caller's:
+    sizes and hashes: ``info["files"]`` when the writers computed them, else each file is hashed here), rename
+    the directory to ``step-N``, point ``latest`` at it (pruning is the caller's:
     :func:`whale.runtime.ckpt_runs.prune`). Returns the published directory."""
     root, tmp = Path(root), tmp_dir(root, step)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = info.get("files") or {  # the writers' digests (whale.runtime.ckpt_io), else hashed here
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
     _fsync_write(tmp / MARKER, json.dumps({**info, "step": step, "files": files}, indent=1))
     final, trash = root / step_name(step), root / f".tmp-old-{step_name(step)}"
     if final.exists():  # the same step saved again (a resumed run): the new one replaces it
@@ -179,7 +187,8 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def read_manifest(ckpt: Path, verify: bool = True) -> dict:
     """The manifest of checkpoint directory ``ckpt``; with ``verify``, every listed file is checked for its size
-    and SHA-256.
+    and SHA-256 (:func:`verify_file`: all of it, in this process; a training load checks only what each rank
+    reads, :mod:`whale.runtime.ckpt_io`).
 
     Raises:
         CheckpointError: an unreadable manifest, or a missing, truncated or corrupted file (named).
@@ -192,16 +201,51 @@ def read_manifest(ckpt: Path, verify: bool = True) -> dict:
     if not verify:
         return info
     for name, want in info.get("files", {}).items():
-        f = ckpt / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing: the checkpoint is damaged")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} is truncated or altered: {size} bytes, the manifest says "
-                                  f"{want['bytes']}")
-        if _sha256(f) != want["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} is corrupted (SHA-256 differs from the manifest)")
+        verify_file(ckpt / name, want)
     return info
+
+
+def check_size(f: Path, want: dict) -> None:
+    """``f`` exists and has the manifest's ``want["bytes"]`` (a stat, no reading).
+
+    Raises:
+        CheckpointError: the file is missing, or truncated/altered (both sizes named).
+    """
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint file {f} is missing: the checkpoint is damaged")
+    size = f.stat().st_size
+    if size != want["bytes"]:
+        raise CheckpointError(f"checkpoint file {f} is truncated or altered: {size} bytes, the manifest says "
+                              f"{want['bytes']}")
+
+
+def corrupted(f: Path, chunk: list | None = None, rank: int | None = None) -> CheckpointError:
+    """The error for a file (or one ``[offset, length, sha256, key]`` chunk of it, written by ``rank``) whose
+    SHA-256 differs from the manifest."""
+    if chunk is None:
+        return CheckpointError(f"checkpoint file {f} is corrupted (SHA-256 differs from the manifest)")
+    off, length, _, key = chunk
+    what = f"{key}, " if key else ""
+    by = f", written by rank {rank}" if rank is not None else ""
+    return CheckpointError(f"checkpoint file {f} is corrupted: bytes {off}-{off + length} ({what}{length} bytes"
+                           f"{by}) differ from the manifest's SHA-256")
+
+
+def verify_file(f: Path, want: dict) -> None:
+    """Check one listed file whole: present, of its size, and its SHA-256 (``want["sha256"]``, or per chunk
+    ``want["chunks"]`` as its writer hashed them while writing).
+
+    Raises:
+        CheckpointError: :func:`check_size`, or :func:`corrupted` naming the file (and the chunk).
+    """
+    check_size(f, want)
+    if "chunks" not in want:
+        if _sha256(f) != want["sha256"]:
+            raise corrupted(f)
+        return
+    for chunk in want["chunks"]:
+        if _sha256(f, chunk[0], chunk[1]) != chunk[2]:
+            raise corrupted(f, chunk, want.get("rank"))
 
 
 def saved_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], object]]:
