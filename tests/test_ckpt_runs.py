@@ -17,7 +17,7 @@ import torch
 import whale as wh
 from tests.distributed import run_ranks
 from tests.reshard_models import batches, engine
-from whale.runtime import checkpoint, ckpt_runs, ckpt_store
+from whale.runtime import checkpoint, ckpt_io, ckpt_runs, ckpt_store
 
 _OTHER = r"checkpoint directory '.*' holds the checkpoints of another run \(\S+: steps 2-3\); a new run never prunes"
 
@@ -161,8 +161,9 @@ def test_a_corrupted_latest_falls_back_to_the_previous_once_on_rank_0(two_ckpts,
     for rank, (step, state, _) in enumerate((r0, r1)):
         assert step == 1 and all(torch.equal(v, states[rank][0][k]) for k, v in state.items())
     assert re.fullmatch(r"checkpoint: skipped step-00000002 \(checkpoint file .*/step-00000002/__0_0\.distcp is "
-                        r"corrupted \(SHA-256 differs from the manifest\) \(rank \d\)\); loading step-00000001, the "
-                        r"newest intact checkpoint of run \S+ in .*/c\n", r0[2])
+                        r"corrupted: bytes \d+-\d+ \(\S+, \d+ bytes, written by rank 0\) differ from the manifest's "
+                        r"SHA-256 \(rank \d\)\); loading step-00000001, the newest intact checkpoint of run \S+ in "
+                        r".*/c\n", r0[2])
     assert r1[2] == ""
 
 
@@ -200,7 +201,7 @@ def test_a_damaged_latest_is_skipped_with_a_word(two_ckpts, tmp_path, capsys, da
 
 def _disks(rank, world, root):
     """Three failing saves (no room by the free-space check; ENOSPC from DCP's writes on rank 0; EROFS from
-    rank 0's metadata file), then one that succeeds."""
+    rank 0's whale.pt), then one that succeeds."""
     ctx = wh.init(wh.Config(num_micro_batch=2, seed=0))
     e = engine("split2", ctx)
     e.step(batches(1)[0])
@@ -213,17 +214,24 @@ def _disks(rank, world, root):
             return real_save(obj, f, *a, **k)
         return save
 
+    real_meta = ckpt_io.write_meta
+
+    def read_only(f, *a, **k):  # rank 0's whale.pt (written from memory by ckpt_io, not by torch.save(path))
+        raise OSError(errno.EROFS, errno.errorcode[errno.EROFS])
+
     for how in ("free", "enospc", "erofs"):
         if how == "free":
             ckpt_runs.shutil.disk_usage = lambda p: real_usage(p)._replace(free=1000)
-        torch.save = fail(errno.ENOSPC, "data") if how == "enospc" else fail(errno.EROFS, "meta")
+        torch.save = fail(errno.ENOSPC, "data") if how == "enospc" else real_save
+        if how == "erofs" and rank == 0:
+            ckpt_io.write_meta = read_only
         try:
             e.save_checkpoint(root)
             lines.append(None)
         except wh.CheckpointError as exc:
             lines.append(str(exc))
         finally:
-            ckpt_runs.shutil.disk_usage, torch.save = real_usage, real_save
+            ckpt_runs.shutil.disk_usage, torch.save, ckpt_io.write_meta = real_usage, real_save, real_meta
     left = sorted(p.name for p in Path(root).iterdir())
     e.save_checkpoint(root)
     return lines, left, sorted(p.name for p in Path(root).iterdir())

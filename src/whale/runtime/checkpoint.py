@@ -160,7 +160,7 @@ def _read_checked(ckpt, engine) -> tuple[dict, dict]:
     meta = read_meta(ckpt, info)
     saved = len(meta["param_groups"])
     if saved != len(engine.optimizer.param_groups):
-        raise ckpt_runs.NotThisModelError(
+        raise store.NotThisModelError(
             f"checkpoint {ckpt} has {saved} optimizer param group(s) but this optimizer has "
             f"{len(engine.optimizer.param_groups)}; build the optimizer with the groups it was trained with")
     try:
@@ -168,7 +168,7 @@ def _read_checked(ckpt, engine) -> tuple[dict, dict]:
                          lambda request: ckpt_io.read_tensors(ckpt, request, info), ckpt_io.saved_tensors(ckpt, info),
                          os.fspath(ckpt), engine.zero)
     except StateMismatchError as exc:
-        raise ckpt_runs.NotThisModelError(str(exc)) from None
+        raise store.NotThisModelError(str(exc)) from None
     return info, meta
 
 
@@ -183,7 +183,7 @@ def load(path: str, engine) -> Restored:
     Raises:
         CheckpointError: no checkpoint verifies (each one's reason); a missing, truncated or corrupted file of a
             single step directory (named); a checkpoint of another model (missing tensors or other shapes) or an
-            optimizer with another number of param groups (:class:`~whale.runtime.ckpt_runs.NotThisModelError`, on
+            optimizer with another number of param groups (:class:`~whale.runtime.ckpt_store.NotThisModelError`, on
             every rank).
     """
     ckpt, (info, meta) = ckpt_runs.load_first_intact(path, lambda d: _read_checked(d, engine), engine.rank)

@@ -236,9 +236,9 @@ def read_manifest(ckpt: Path) -> dict:
     if fmt in OLD_FORMATS:
         return store.read_manifest(ckpt)
     if fmt != FORMAT:
-        raise CheckpointError(f"checkpoint {ckpt} has format {fmt!r}, which this Whale version does not read (it "
-                              f"reads {', '.join((FORMAT, *OLD_FORMATS))}); load it with the Whale version that "
-                              "wrote it")
+        raise store.NotThisModelError(f"checkpoint {ckpt} has format {fmt!r}, which this Whale version does not "
+                                      f"read (it reads {', '.join((FORMAT, *OLD_FORMATS))}); load it with the Whale "
+                                      "version that wrote it")
     for name, want in info["files"].items():
         store.check_size(ckpt / name, want)
     return info

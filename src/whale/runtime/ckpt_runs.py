@@ -29,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from whale.runtime import ckpt_store as store
-from whale.runtime.ckpt_store import MARKER, CheckpointError
+from whale.runtime.ckpt_store import MARKER, CheckpointError, NotThisModelError
 
 LEGACY = "legacy"
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -250,11 +250,6 @@ def load_candidates(path: str | os.PathLike) -> tuple[list[Entry], str]:
         store.resolve(root)  # raises the line naming what is there
     run = first.run if first is not None else ""
     return [e for e in entries if e.info is None or e.run == run], run
-
-
-class NotThisModelError(CheckpointError):
-    """A checkpoint that is intact but does not fit this model or optimizer (raised by a ``verify`` of
-    :func:`load_first_intact`: every rank then raises it, no fallback)."""
 
 
 def load_first_intact(path: str | os.PathLike, verify, rank: int):

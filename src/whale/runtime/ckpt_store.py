@@ -38,6 +38,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted, or does not fit this model."""
 
 
+class NotThisModelError(CheckpointError):
+    """A checkpoint that is intact but cannot be loaded here: another model or optimizer, or a format this
+    version does not read (never a reason to fall back to an older checkpoint:
+    :func:`whale.runtime.ckpt_runs.load_first_intact` raises it on every rank)."""
+
+
 def step_name(step: int) -> str:
     """``step-00000042``: the directory of step ``step`` (sorted names sort by step)."""
     return f"step-{step:08d}"
