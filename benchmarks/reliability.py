@@ -1,4 +1,5 @@
-"""Reliability (issue 15): resharding checkpoints, kill -9 and resume, a raising rank.
+"""Reliability (issues 15, 24): resharding checkpoints, kill -9 and resume, a raising rank, damaged checkpoints,
+failure attribution and hangs, checkpoint I/O.
 
     PYTHONPATH=src:. python benchmarks/reliability.py --out benchmarks/results/reliability.json
 
@@ -8,13 +9,23 @@
    state tensor, the hyperparameters, the step, the RNG state and ``extra`` are bitwise equal.
 2. ``kill_resume_*``: the GPT main job (examples/gpt/train.py, a small configuration, DP2xPP2 on 4 ranks,
    checkpoint every ``--ckpt-every`` steps) runs once uninterrupted; then ``--runs`` times under
-   ``whale launch --max-restarts 1``, each with one random worker killed with SIGKILL at a random step. torchrun
-   restarts the worker group, which resumes from the last complete checkpoint by itself. The loss of every step
-   (the run's JSON summary: the steps before the kill come from the checkpoint, the rest are recomputed) is
-   compared with the uninterrupted run's; steps lost = last step logged before the kill - step resumed from.
+   ``whale launch --max-restarts 1``, each with one random worker killed with SIGKILL, cycling over three kill
+   times: after a random step is logged, during a save (as soon as a ``.tmp-step-*`` directory exists after a
+   random step), and after the final checkpoint is published (the restart must end the finished job with exit 0
+   and its summary). torchrun restarts the worker group, which resumes from the last complete checkpoint by itself.
+   The loss of every step (the run's JSON summary: the steps before the kill come from the checkpoint, the rest
+   are recomputed) is compared with the uninterrupted run's; steps lost = last step logged before the kill - step
+   resumed from; ``kill_resume_failures`` counts runs that did not exit 0 or whose losses differ by more than 1e-6.
 3. ``raise_to_exit_seconds_max``: benchmarks/_raise_job.py on 4 ranks under ``whale launch`` with one rank
    raising mid-training; seconds from the raise to the launcher's exit, and whether the injected error is
    printed exactly once.
+4. ``corrupt_latest_fallbacks_*`` (benchmarks/_rel_fallback.py): each kind of damage to the newest checkpoint;
+   a load must fall back to the newest intact one, bitwise, naming what it skipped once.
+5. ``first_error_named_*``, ``hang_detect_seconds`` (benchmarks/_rel_failures.py): injected raises (messages
+   with "timed out" / "Broken pipe" texts), kill -9 of a rank and hangs; the launcher must name the rank that
+   failed first (or hung, with its phase), and a hang must end within the timeout + 5 s.
+6. ``save_gb_per_s``, ``load_gb_per_s``, ``busiest_rank_bytes_share`` (benchmarks/_rel_io.py): checkpoint I/O at
+   2 and 4 ranks (goal for the share: <= 1.5 / ranks).
 """
 
 from __future__ import annotations
@@ -28,10 +39,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _rel_failures  # noqa: E402 - the parts beside this file
+import _rel_fallback  # noqa: E402
+import _rel_io  # noqa: E402
+from exit_teardown import provenance  # noqa: E402
+
+PARTS = ["reshard", "kill", "raise", "fallback", "failures", "io"]
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 GPT = ["--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
@@ -62,36 +81,64 @@ def _workers(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def _killed_run(tmp: Path, name: str, kill_at: int, args, rng: random.Random) -> dict:
-    """One run with a worker killed after step ``kill_at`` is logged; returns the run's numbers."""
+def _watch_and_kill(proc, ckpt: Path, mode: str, rng: random.Random, steps: int, killed: dict) -> None:
+    """Thread: in ``mode`` "save", SIGKILL a random worker as soon as a save is in progress (a ``.tmp-step-*``
+    directory exists under ``ckpt``) once ``killed["armed"]`` is set; in "final", once ``latest`` names the final
+    step's checkpoint (published, the job still finishing)."""
+    final = f"step-{steps:08d}"
+    while proc.poll() is None and "step" not in killed:
+        hit = False
+        if killed.get("armed") and ckpt.is_dir():
+            if mode == "save":
+                hit = any(d.name.startswith(".tmp-step-") for d in ckpt.iterdir())
+            else:
+                hit = (ckpt / "latest").is_file() and (ckpt / "latest").read_text().strip() == final
+        victims = _workers(proc.pid) if hit else []
+        if victims:
+            victim = rng.choice(victims)
+            os.kill(victim, signal.SIGKILL)
+            killed.update(step=killed["last"], pid=victim)
+            return
+        time.sleep(0.002)
+
+
+def _killed_run(tmp: Path, name: str, kill_at: int, mode: str, args, rng: random.Random) -> dict:
+    """One run with a worker killed (``mode``: "step": after step ``kill_at`` is logged; "save": during the first
+    save after it; "final": after the final checkpoint is published); returns the run's numbers."""
     proc = subprocess.Popen(_gpt(tmp, name, args), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    log, killed, last, resumed = [], None, 0, None
+    log, killed, resumed = [], {"last": 0}, None
+    if mode != "step":
+        watcher = threading.Thread(target=_watch_and_kill, daemon=True,
+                                   args=(proc, tmp / name / "ckpt", mode, rng, args.steps, killed))
+        watcher.start()
     for line in proc.stdout:
         log.append(line)
         m = re.match(r"step (\d+)/", line)
         if m:
-            last = int(m.group(1))
+            killed["last"] = int(m.group(1))
         r = re.search(r"resumed after a restart from .* at step (\d+)|restarted with no complete checkpoint", line)
         if r:
             resumed = int(r.group(1) or 0)
-        if killed is None and last >= kill_at:
-            victims = _workers(proc.pid)
+        if killed["last"] >= kill_at and "armed" not in killed:
+            killed["armed"] = True
+            victims = _workers(proc.pid) if mode == "step" else []
             if victims:
                 victim = rng.choice(victims)
                 os.kill(victim, signal.SIGKILL)
-                killed = {"step": last, "pid": victim}
+                killed.update(step=killed["last"], pid=victim)
     code = proc.wait()
     text = "".join(log)
-    if code != 0 or killed is None or resumed is None:
-        raise RuntimeError(f"run {name}: exit {code}, killed {killed}, resumed {resumed}:\n{text[-4000:]}")
+    out = {"mode": mode, "exit_code": code, "kill_after_step": killed.get("step"), "resumed_from": resumed}
+    if code != 0 or "step" not in killed or resumed is None:
+        return {**out, "failure": text[-3000:]}
     summary = json.loads((tmp / name / "summary.json").read_text())
-    return {"kill_after_step": killed["step"], "resumed_from": resumed, "steps_lost": killed["step"] - resumed,
-            "train_loss": summary["train_loss"]}
+    return {**out, "steps_lost": killed["step"] - resumed, "train_loss": summary["train_loss"]}
 
 
 def kill_resume(tmp: Path, args) -> dict:
-    """The uninterrupted run, then ``args.runs`` killed and restarted runs."""
+    """The uninterrupted run, then ``args.runs`` killed and restarted runs, cycling over the kill modes (after a
+    random step, during a save, after the final checkpoint)."""
     base = subprocess.run(_gpt(tmp, "base", args), cwd=ROOT, env=ENV, capture_output=True, text=True)
     if base.returncode:
         raise RuntimeError(base.stdout[-3000:] + base.stderr[-3000:])
@@ -99,14 +146,22 @@ def kill_resume(tmp: Path, args) -> dict:
     rng = random.Random(args.seed)
     runs = []
     for i in range(args.runs):
-        at = rng.randint(args.ckpt_every // 2 + 1, args.steps - 2)
-        run = _killed_run(tmp, f"run{i}", at, args, rng)
-        diff = max(abs(a - b) for a, b in zip(run.pop("train_loss"), reference, strict=True))
-        runs.append({**run, "max_loss_diff": diff})
-        print(f"kill/resume run {i}: {runs[-1]}", flush=True)
-    return {"kill_resume_runs": len(runs), "kill_resume_max_loss_diff": max(r["max_loss_diff"] for r in runs),
-            "kill_resume_steps_lost_max": max(r["steps_lost"] for r in runs), "kill_resume_details": runs,
-            "checkpoint_interval": args.ckpt_every, "gpt_steps": args.steps}
+        mode = ("step", "save", "final")[i % 3]
+        at = rng.randint(args.ckpt_every // 2 + 1, args.steps - 2) if mode != "final" else args.steps
+        run = _killed_run(tmp, f"run{i}", at, mode, args, rng)
+        if "train_loss" in run:
+            losses = run.pop("train_loss")
+            run["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, reference, strict=True)) \
+                if len(losses) == len(reference) else float("inf")
+        runs.append(run)
+        print(f"kill/resume run {i}: { {k: v for k, v in run.items() if k != 'failure'} }", flush=True)
+    ok = [r for r in runs if "failure" not in r and r["max_loss_diff"] <= 1e-6]
+    done = [r for r in runs if "failure" not in r]
+    return {"kill_resume_runs": len(runs), "kill_resume_failures": len(runs) - len(ok),
+            "kill_resume_max_loss_diff": max((r["max_loss_diff"] for r in done), default=None),
+            "kill_resume_steps_lost_max": max((r["steps_lost"] for r in done), default=None),
+            "kill_resume_modes": {m: sum(r["mode"] == m for r in runs) for m in ("step", "save", "final")},
+            "kill_resume_details": runs, "checkpoint_interval": args.ckpt_every, "gpt_steps": args.steps}
 
 
 def raise_to_exit(runs: int, timeout: float) -> dict:
@@ -126,18 +181,24 @@ def raise_to_exit(runs: int, timeout: float) -> dict:
 
 
 def main() -> None:
-    """Run the three parts and write the JSON."""
+    """Run the parts (``--skip`` some) and write the JSON."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results/reliability.json")
-    p.add_argument("--runs", type=int, default=5, help="killed GPT runs")
+    p.add_argument("--runs", type=int, default=21, help="killed GPT runs (cycling: after a step, during a save, "
+                   "after the final checkpoint)")
     p.add_argument("--steps", type=int, default=24, help="GPT steps per run")
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=str(ROOT / "data/shakespeare"))
-    p.add_argument("--skip", nargs="*", default=[], choices=["reshard", "kill", "raise"])
+    p.add_argument("--skip", nargs="*", default=[], choices=PARTS)
     args = p.parse_args()
-    result: dict = {}
+    load_before, result = os.getloadavg(), {}
     with tempfile.TemporaryDirectory() as tmp:
+        for part, run in (("fallback", _rel_fallback.run), ("failures", _rel_failures.run), ("io", _rel_io.run)):
+            if part not in args.skip:
+                os.makedirs(os.path.join(tmp, part))
+                result.update(run(Path(tmp) / part))
+                print({k: v for k, v in result.items() if not k.endswith("details")}, flush=True)
         if "reshard" not in args.skip:
             result.update(reshard(os.path.join(tmp, "reshard")))
             print({k: v for k, v in result.items() if k.startswith("reshard")}, flush=True)
@@ -146,6 +207,7 @@ def main() -> None:
             print({k: v for k, v in result.items() if k.startswith("raise")}, flush=True)
         if "kill" not in args.skip:
             result.update(kill_resume(Path(tmp), args))
+    result["provenance"] = provenance(load_before)  # commit, command, date, host load before and after
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from whale.loss import SumOverCount
 from whale.memory.checkpointing import apply_checkpointing
 from whale.memory.monitor import MemoryMonitor
 from whale.parallel.data import broadcast_params
@@ -30,13 +29,14 @@ from whale.parallel.zero import build_grad_sync
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint, heartbeat
-from whale.runtime.batch import BatchError, agree_on_batch, batch_size, slice_rows
+from whale.runtime.batch import BatchError, agree_on_batch, batch_size
 from whale.runtime.buffers import BufferSync, check_batchnorms
 from whale.runtime.context import Context
 from whale.runtime.emulation import EmulatedDevice, calibrate
 from whale.runtime.groups import norm_owned_params, sync_sets
-from whale.runtime.local import local_take, local_work
+from whale.runtime.local import local_work
 from whale.runtime.mesh import Mesh
+from whale.runtime.microbatch import micro_batches
 from whale.runtime.nonfinite import nonfinite_guard
 from whale.runtime.offload import device_keyed, host_offload, params_on_device
 from whale.runtime.optim import bind_optimizer
@@ -157,35 +157,8 @@ class Engine(GradientUpdate):
 
     # --- stepping ----------------------------------------------------------------------------------------
     def _micro_batches(self, batch, metrics: dict | None = None, global_batch: int | None = None) -> MicroBatches:
-        """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows; with
-        ``global_batch``, ``batch`` holds only this lane's rows (:meth:`step_local`; a token-weighted loss's
-        scales are then set by :func:`whale.runtime.local.local_work`, after the global count)."""
-        inputs, target = batch if batch is not None else (None, None)
-        total = batch_size(batch) if global_batch is None else global_batch
-        rows = self.plan.micro_batch_rows(total, self.stage)  # this stage's lanes (the stages differ in width)
-        recv_from, send_to = self.plan.boundary_peers(total, self.stage, self.lane)  # the batch bridge's rows
-        self._rows = sum(b - a for a, b in rows[self.lane])  # this lane's rows this step (for the history)
-        self.split.start_step(self.plan, rows, self.lane)
-        loss_rows = self.split.loss_rows(self.plan, rows, self.lane)
-        dev = self.ctx.device
-        last = self.stage == self.plan.num_stages - 1
-        if global_batch is None:
-            def take(x, a, b):
-                """Rows a:b of x, on this rank's device."""
-                return slice_rows(x, a, b, total, dev)
-        else:  # rows a:b of the global batch are at a local offset (checks the local batch's rows)
-            take = local_take(batch, rows[self.lane], self.stage == 0, last, dev, f"lane {self.lane}")
-        row_scales = [(b - a) / total for a, b in loss_rows]
-        if isinstance(self.loss_fn, SumOverCount) and global_batch is None:  # token-weighted: / global terms
-            count = self.loss_fn.count(target)
-            scales = [1.0 / count if count else 0.0] * len(loss_rows)
-        else:  # a per-sample mean: weighted by rows
-            scales = row_scales
-        return MicroBatches(inputs=[take(inputs, a, b) for a, b in rows[self.lane]] if self.stage == 0 else [],
-                            targets=[take(target, a, b) for a, b in loss_rows] if last else [],
-                            scales=scales, metric_fns=metrics or {}, metric_scales=row_scales, recv_from=recv_from,
-                            send_to=send_to, rows=rows[self.lane][0][1] - rows[self.lane][0][0],
-                            bridged=not self.plan.uniform_width)
+        """This rank's work of ``batch`` (:func:`whale.runtime.microbatch.micro_batches`)."""
+        return micro_batches(self, batch, metrics, global_batch)
 
     def _checked_micro_batches(self, batch, kind: str, metrics: dict | None = None) -> MicroBatches:
         """:meth:`_micro_batches`; on the first calls of each kind, every rank also agrees that all were given
