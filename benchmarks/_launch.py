@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import signal
 import tempfile
 import time
 import traceback
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from whale.runtime import failures, heartbeat
+from whale.runtime.attribution import exit_how
 
 GRACE_S = 10.0
 """Seconds the other ranks get to end (and say why) once one rank failed, before they are killed."""
@@ -42,17 +42,6 @@ def _entry(rank: int, world: int, init_file: str, fn, cfg, queue, folder: str) -
         heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _how(code: int | None) -> str:
-    if code is None:
-        return "still running, killed"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by signal {-code}: {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 def _collect(procs, queue, timeout: float) -> tuple[dict, dict, bool]:
@@ -96,7 +85,7 @@ def _blame(results: dict, died: dict, timed_out: bool, timeout: float, folder: s
         rank = min(died, key=lambda r: died[r][1])
         state = beats.get(rank, {})
         last = f"; its last heartbeat: step {state['step']}, {state['phase']}" if state.get("step") else ""
-        return f"benchmark rank {rank} died first ({_how(died[rank][0])}) without an error{last}{others}"
+        return f"benchmark rank {rank} died first ({exit_how(died[rank][0])}) without an error{last}{others}"
     if peers and not timed_out:
         rank, behind = peers[0][1], heartbeat.laggard(beats)
         far = f"; furthest behind: rank {behind}, {heartbeat.describe(beats[behind])}" if beats else ""

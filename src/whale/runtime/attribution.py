@@ -22,10 +22,14 @@ import time
 
 from whale.runtime import failures, heartbeat
 
-__all__ = ["summary"]
+__all__ = ["summary", "exit_how"]
 
 
-def _how(code: int) -> str:
+def exit_how(code: int | None) -> str:
+    """How a process ended, for a launcher's line: ``"exit code 1"``, ``"killed by signal 9: SIGKILL"`` (a
+    negative code: the signal), or ``"still running, killed"`` (``None``)."""
+    if code is None:
+        return "still running, killed"
     if code >= 0:
         return f"exit code {code}"
     try:
@@ -63,14 +67,14 @@ def summary(e, folder: str | os.PathLike | None) -> tuple[str, int]:
         kind = re.match(r"error: (?:\[rank \d+\] )?([\w.]+)", first[1])
         what = f" with {kind.group(1)}" if kind else ""
         code = _job_code(e, first[0])
-        return (f"{e.name} FAILED: rank {first[0]} failed first ({_how(code)}){what}; its error is printed "
+        return (f"{e.name} FAILED: rank {first[0]} failed first ({exit_how(code)}){what}; its error is printed "
                 f"above{tail}"), code
     silent = {r: f for r, f in e.failures.items() if r not in reps} if folder else {}
     died = [r for r, f in silent.items() if f.exitcode != -signal.SIGTERM]
     if died:
         rank = min(died, key=lambda r: (e.failures[r].timestamp, beats.get(r, {}).get("beat", now)))
         code = e.failures[rank].exitcode
-        return (f"{e.name} FAILED: rank {rank} failed first ({_how(code)}) without reporting an error (its process "
+        return (f"{e.name} FAILED: rank {rank} failed first ({exit_how(code)}) without reporting an error (its process "
                 f"ended){_last_beat(beats, rank)}{tail}"), code
     peers = sorted((rep["time"], r, rep) for r, rep in reps.items() if rep.get("kind") == "peer")
     why = f"{peers[0][2]['type']}: {failures.short_message(peers[0][2]['message'])}" if peers else ""
@@ -86,4 +90,4 @@ def summary(e, folder: str | os.PathLike | None) -> tuple[str, int]:
         return (f"{e.name} FAILED: rank {rank}'s collective failed first ({why}) and no rank reported an error of "
                 f"its own{far}{tail}"), _job_code(e, rank)
     rank, failure = e.get_first_failure()
-    return f"{e.name} FAILED: rank {rank} failed first ({_how(failure.exitcode)}){tail}", _job_code(e, rank)
+    return f"{e.name} FAILED: rank {rank} failed first ({exit_how(failure.exitcode)}){tail}", _job_code(e, rank)

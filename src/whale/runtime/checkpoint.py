@@ -101,7 +101,8 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
     state.update(whole_optim_state(engine.optimizer, slots, plan, engine.zero))
     need = ckpt_runs.total_bytes(ckpt_runs.state_bytes(state), many)  # each key once, whoever holds it
 
-    def begin() -> dict:  # rank 0: another run's directory refused, space checked, the temporary directory
+    def begin() -> dict:
+        """Rank 0: another run's directory refused, space checked, the temporary directory and whale.pt."""
         error, run, _ = ckpt_runs.decide_run(os.fspath(path), engine.run_id, overwrite=False)
         if error:
             raise CheckpointError(error)
@@ -118,7 +119,8 @@ def save(path: str, engine, extra: dict, loss_scale: dict | None = None, keep: i
         files.update(ckpt_io.save_state(state, store.tmp_dir(path, step), rank))  # once, spread (ckpt_io)
     files = ckpt_io.gather_entries(files)  # the writers' digests, on rank 0
 
-    def finish() -> str:  # rank 0: the manifest, the rename, 'latest', then the run's older checkpoints pruned
+    def finish() -> str:
+        """Rank 0: the manifest, the rename, ``latest``, then the run's older checkpoints pruned."""
         info = {"format": ckpt_io.FORMAT, "world_size": plan.world_size, "plan": plan.to_json(), **run,
                 "files": files}
         with ckpt_runs.disk_errors(path, step, need, rank):

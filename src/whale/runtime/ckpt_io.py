@@ -70,12 +70,14 @@ class _HashingStream:
         self.raw, self.pos, self.start, self.h, self.segments = raw, 0, 0, hashlib.sha256(), {}
 
     def write(self, b) -> int:
+        """Write ``b`` to the file and into the current segment's hash; returns the bytes written."""
         n = self.raw.write(b)
         self.h.update(b)
         self.pos += memoryview(b).nbytes
         return n
 
     def tell(self) -> int:
+        """The position (bytes written); DCP's item boundary, so the current segment closes here."""
         self.cut()
         return self.pos
 
@@ -86,12 +88,15 @@ class _HashingStream:
             self.start, self.h = self.pos, hashlib.sha256()
 
     def flush(self) -> None:
+        """Flush the file."""
         self.raw.flush()
 
     def fileno(self) -> int:
+        """The file's descriptor (DCP fsyncs it)."""
         return self.raw.fileno()
 
     def close(self) -> None:
+        """Close the last segment and the file."""
         self.cut()
         self.raw.close()
 
@@ -106,6 +111,7 @@ class _HashingFS(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
+        """DCP's stream for ``path``: a :class:`_HashingStream` when writing (recorded in ``written``)."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -117,6 +123,7 @@ class _HashingFS(FileSystem):
             self.written[Path(path).name] = (stream.pos, stream.segments)
 
     def rename(self, path, new_path) -> None:
+        """Rename the file, and its record in ``written``."""
         super().rename(path, new_path)
         if Path(path).name in self.written:
             self.written[Path(new_path).name] = self.written.pop(Path(path).name)

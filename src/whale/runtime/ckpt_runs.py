@@ -62,10 +62,12 @@ class Entry:
 
     @property
     def run(self) -> str:
+        """The run this checkpoint is of (``LEGACY`` for one saved before run identities)."""
         return (self.info or {}).get("run", LEGACY)
 
     @property
     def order(self) -> tuple[int, int]:
+        """Sort key of publish order: (publish counter, step); unpublished or legacy ones first."""
         return (self.info or {}).get("published", -1), self.step
 
 

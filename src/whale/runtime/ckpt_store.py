@@ -145,7 +145,8 @@ def latest(root: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
         if _STEP.match(name) and (root / name / MARKER).is_file():
             return root / name
-    def order(step: int) -> tuple[int, int]:  # publish order (ckpt_runs), then the step
+    def order(step: int) -> tuple[int, int]:
+        """Publish order (``published`` of :mod:`whale.runtime.ckpt_runs`), then the step."""
         try:
             return json.loads((root / step_name(step) / MARKER).read_text()).get("published", -1), step
         except (OSError, ValueError):
