@@ -130,8 +130,9 @@ def _killed_run(tmp: Path, name: str, kill_at: int, mode: str, args, rng: random
     code = proc.wait()
     text = "".join(log)
     out = {"mode": mode, "exit_code": code, "kill_after_step": killed.get("step"), "resumed_from": resumed}
-    if code != 0 or "step" not in killed or resumed is None:
-        return {**out, "failure": text[-3000:]}
+    if code != 0 or "step" not in killed or resumed is None:  # every attempt's error lines, then the tail
+        errors = [line for line in log if line.startswith(("error:", "Traceback")) or "Error:" in line]
+        return {**out, "failure": "".join(errors[:40]) + "...\n" + text[-3000:]}
     summary = json.loads((tmp / name / "summary.json").read_text())
     return {**out, "steps_lost": killed["step"] - resumed, "train_loss": summary["train_loss"]}
 
