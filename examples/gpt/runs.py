@@ -11,6 +11,17 @@ from examples.gpt.data import TokenBatches
 from whale.runtime import ckpt_runs
 
 
+def add_resume_args(p) -> None:
+    """``--resume`` / ``--overwrite`` (mutually exclusive) on argparse parser ``p``: the example jobs' choice for a
+    ``--ckpt-dir`` that holds checkpoints (``wh.claim_checkpoint_dir``)."""
+    fresh = p.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true", help="continue the run in --ckpt-dir from its newest intact "
+                       "checkpoint, if any, under this run's plan (another world size, --stages or cluster re-plans "
+                       "and reshards it); a job restarted by whale launch --max-restarts resumes its own run by itself")
+    fresh.add_argument("--overwrite", action="store_true", help="start afresh in a --ckpt-dir that holds another "
+                       "run's checkpoints: they are removed (without it such a directory is refused)")
+
+
 def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
     """Restore the newest intact checkpoint of the run in ``--ckpt-dir`` when ``--resume`` (or when torchrun
     restarted this job after a failure, ``TORCHELASTIC_RESTART_COUNT`` > 0, and the run there is this job's), else

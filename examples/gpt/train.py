@@ -44,7 +44,7 @@ from examples.gpt.data import (  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
-from examples.gpt.runs import finished_summary, maybe_resume  # noqa: E402
+from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
@@ -82,12 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-batches", type=one, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
     a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
-    fresh = p.add_mutually_exclusive_group()
-    fresh.add_argument("--resume", action="store_true", help="continue the run in --ckpt-dir from its newest intact "
-                       "checkpoint, if any, under this run's plan (another world size, --stages or cluster re-plans "
-                       "and reshards it); a job restarted by whale launch --max-restarts resumes its own run by itself")
-    fresh.add_argument("--overwrite", action="store_true", help="start afresh in a --ckpt-dir that holds another "
-                       "run's checkpoints: they are removed (without it such a directory is refused)")
+    add_resume_args(p)
     a("--timeout", type=float, default=None,
       help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
     a("--log-every", type=one, default=25, help="log line every N steps when not showing a progress bar")

@@ -37,9 +37,10 @@ import transformers  # noqa: E402
 
 import whale as wh  # noqa: E402
 from examples.gpt.data import DEFAULT_DATA_DIR, TokenBatches, eval_batches, load_tokens  # noqa: E402
+from examples.gpt.runs import add_resume_args, maybe_resume  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least  # noqa: E402
-from examples.gpt.train import maybe_resume, prepare_data, save  # noqa: E402
+from examples.gpt.train import prepare_data, save  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,12 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--cluster", default=None, help="cluster spec (YAML); whale launch --cluster sets it too")
     a("--ckpt-dir", default="checkpoints/hf_llama")
     a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
-    fresh = p.add_mutually_exclusive_group()
-    fresh.add_argument("--resume", action="store_true", help="continue the run in --ckpt-dir from its newest intact "
-                       "checkpoint, if any (under this run's plan: another world size, --stages or cluster re-plans "
-                       "and reshards it)")
-    fresh.add_argument("--overwrite", action="store_true", help="start afresh in a --ckpt-dir that holds another "
-                       "run's checkpoints: they are removed (without it such a directory is refused)")
+    add_resume_args(p)
     a("--summary", default="runs/hf_llama_summary.json")
     args = p.parse_args(argv)
     for what, n, d in (("--hidden", args.hidden, args.heads), ("--heads", args.heads, args.kv_heads)):
