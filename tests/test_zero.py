@@ -74,6 +74,12 @@ def zero_engine(ctx, world, spec, model_cls=TinyLM):
     torch.manual_seed(0)
     model = model_cls(stage_layers=spec["layers"])
     model.blocks[0].fc1.bias.requires_grad_(False)
+    return zero_engine_of(model, ctx, world, spec)
+
+
+def zero_engine_of(model, ctx, world, spec):
+    """(engine, one-process copy, optimizer) of ``model``, planned under ``ctx`` with ``spec["weights"]`` as ZeRO
+    weights when given; AdamW with two param groups, a token-weighted loss."""
     ref = copy.deepcopy(model)
     plan = wh.plan_model(model, world, ctx.config)
     if "weights" in spec:

@@ -17,8 +17,6 @@ Tolerance as in test_zero (fp32, rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import re
 
 import pytest
@@ -29,7 +27,7 @@ from torch import nn
 import whale as wh
 from tests.distributed import run_ranks
 from tests.models import TinyLM
-from tests.test_zero import ATOL, CLIP, RTOL, _batches, _groups, _reference, zero_engine
+from tests.test_zero import ATOL, CLIP, RTOL, _batches, _reference, zero_engine, zero_engine_of
 from whale.parallel.zero3 import Zero3Error
 from whale.parallel.zero3_check import AGREE_STEPS
 
@@ -77,12 +75,7 @@ def _frozen_layouts(rank, world, spec):
     cfg = wh.Config(num_micro_batch=2, zero=3, max_grad_norm=CLIP, activation_checkpoint=spec.get("checkpoint"))
     ctx = wh.init(cfg)
     model = lora_lm()
-    ref = copy.deepcopy(model)
-    plan = wh.plan_model(model, world, ctx.config)
-    if "weights" in spec:
-        plan = dataclasses.replace(plan, zero_weights=spec["weights"])
-    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
-    engine = wh.parallelize(model, wh.token_cross_entropy(), opt, ctx=ctx, plan=plan)
+    engine, ref, opt = zero_engine_of(model, ctx, world, spec)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
     zero, seen = engine.zero, []
 
