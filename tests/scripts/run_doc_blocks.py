@@ -49,10 +49,10 @@ def seed_calibration(argv: list[str], path: str) -> None:
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", required=True)
-    p.add_argument("--args", nargs="*", action="append", default=[])
+    p.add_argument("--args", nargs="*", default=[])
     ns, _ = p.parse_known_args(argv)
     factory = load_factory(ns.model)
-    model, batch, loss = factory(**factory_kwargs(factory, ns.args, ns.model))
+    model, batch, loss = factory(**factory_kwargs(factory, [a.split("=", 1) for a in ns.args], ns.model))
     keys = unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True)
     units = {k: UnitTiming(1e-4, 2e-4, 1e-3, 2e-3) for k in keys.values()}
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8, units=units,
