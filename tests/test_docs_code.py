@@ -241,3 +241,33 @@ def test_one_process_blocks_run(runs):
 def test_two_rank_blocks_run_under_whale_launch(runs):
     results = _results(runs, "launched", timeout=280)
     _check_outputs(results)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            out.add(_slug(line.lstrip("#")))
+    return out
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with ``#anchor``, one of its
+    headings."""
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            assert dest.exists(), f"{doc.name}: link to a missing {target}"
+            if anchor:
+                assert anchor in _anchors(dest), f"{doc.name}: no heading #{anchor} in {dest.name}"

@@ -25,6 +25,7 @@ import shlex
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def _compiled(block: dict):
@@ -56,7 +57,7 @@ def seed_calibration(argv: list[str], path: str) -> None:
     keys = unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True)
     units = {k: UnitTiming(1e-4, 2e-4, 1e-3, 2e-3) for k in keys.values()}
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8, units=units,
-                     engine=EngineTiming(), model_engines={model_signature(keys): EngineTiming()}), path)
+                     engine=EngineTiming(), model_engines={model_signature(keys): EngineTiming()}), Path(path))
 
 
 def _command(block: dict) -> None:
