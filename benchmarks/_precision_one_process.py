@@ -1,5 +1,5 @@
 """bf16 vs fp32 in ONE process (no Whale): the GPT main job's model, data and LR schedule under plain
-``torch.autocast``, to tell a precision cost from run-to-run noise (README, "Mixed precision").
+``torch.autocast``, to tell a precision cost from run-to-run noise (docs/benchmarks.md, "Precision").
 
     python benchmarks/_precision_one_process.py VARIANT STEPS [LR]
 

@@ -84,7 +84,7 @@ class MLP(nn.Module):
 def moe_mlp(cfg: GPTConfig, aux: bool = True, parallel: bool = True) -> nn.Module:
     """A block's MoE feed-forward ``[B, T, C] -> [B, T, C]``: ``wh.MoE`` of ``cfg.moe_experts`` experts of
     hidden width ``cfg.moe_d_ff`` (default 4C), built under ``wh.split()`` when ``parallel`` (expert parallelism
-    over the devices of the enclosing replicate scope, README "Mixture of Experts"); ``aux=False`` drops its
+    over the devices of the enclosing replicate scope, docs/moe.md); ``aux=False`` drops its
     auxiliary-loss coefficients (a layer before the last pipeline stage, where the loss cannot reach them)."""
     import whale as wh
 
