@@ -17,7 +17,8 @@ pair, two all-reduces of the layer's output forward and two backward), ``"attent
 ``"moe"`` (a mixture-of-experts layer, GShard/Switch: ``experts`` experts, each token goes to ``top_k`` of them;
 an expert-parallel split shards the experts over its devices and every token crosses an all-to-all on its way
 to its experts and back, forward and backward), ``"other"`` (embeddings, norms, the head: replicated by a
-split, never cut).
+split, never cut), ``"vocab"`` (a vocab-parallel embedding or LM head, Megatron-LM's VocabParallelEmbedding and
+parallel cross-entropy: a split cuts its vocabulary rows; what the split rules of :mod:`whale.splitrules` do).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LAYER_KINDS = ("dense", "attention", "moe", "other")
+LAYER_KINDS = ("dense", "attention", "moe", "other", "vocab")
 """Layer kinds the search knows how to split (see the module docstring)."""
 
 
