@@ -75,19 +75,19 @@ class GPTShape:
         s, h, a, v = self.seq, self.hidden, self.heads, self.vocab
         kv = h * self.kv_heads // self.heads
         out = float(s * h * act_bytes)
-        layers = [LayerDesc("embed", 0.0, (v + s) * h, float(s * h), out, "vocab", forward_flops=0.0)]
+        layers = [LayerDesc("embed", 0.0, (v + s) * h, float(s * h), out, "vocab", forward_flops=0.0, split_dims=(v,))]
         att_f = 2.0 * s * h * (h + 2 * kv) + 4.0 * s * s * h + 2.0 * s * h * h
         att_p = h * (h + 2 * kv) + h * h + (h + 2 * kv) + h + 2 * h
         mlp_p = 2 * h * self.ffn + self.ffn + h + 2 * h
         for i in range(self.layers):
             layers.append(LayerDesc(f"h.{i}.attn", 3 * att_f, att_p, float(11 * s * h + 5 * a * s * s), out,
-                                    "attention", forward_flops=att_f))
+                                    "attention", forward_flops=att_f, split_dims=(a, self.kv_heads, h)))
             mlp_f = 4.0 * s * h * self.ffn
             layers.append(LayerDesc(f"h.{i}.mlp", 3 * mlp_f, mlp_p, float(19 * s * h), out, "dense",
-                                    forward_flops=mlp_f))
+                                    forward_flops=mlp_f, split_dims=(self.ffn, h)))
         head_f = 2.0 * s * h * v
         layers.append(LayerDesc("head", 3 * head_f, 2 * h, float(4 * s * h + 4 * s * v), out, "vocab",
-                                forward_flops=head_f))
+                                forward_flops=head_f, split_dims=(v,)))
         return ModelDesc(tuple(layers), self.describe())
 
 

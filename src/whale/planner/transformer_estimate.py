@@ -63,8 +63,8 @@ class TransformerEstimator(DefaultEstimator):
                              f"virtual >= 1 (got {virtual})")
         self.shape, self.roofs, self.recompute, self.seqpar = shape, tuple(rooflines), recompute, sequence_parallel
         self.precision, self.fp32_grads, self.grad_bytes = precision, fp32_grads, grad_bytes
-        self.overlap, self.virtual, self.cross_nodes = overlap_grad_sync, virtual, cross_nodes
-        super().__init__(shape.model_desc(), pool, global_batch)
+        self.overlap, self.virtual = overlap_grad_sync, virtual
+        super().__init__(shape.model_desc(), pool, global_batch, cross_nodes)
         self.monotone_options = ("activation_checkpoint",)
 
     def split_ok(self, t: int) -> bool:
@@ -137,13 +137,35 @@ class TransformerEstimator(DefaultEstimator):
         return worst
 
     def pipeline_seconds(self, c: Candidate) -> float:
-        """Seconds from the first forward to the last backward of ``c`` (the module docstring's rules)."""
+        """Seconds from the first forward to the last backward of ``c``, in closed form (the fast path):
+        m·max_s(F+B) + (Σ_s(F+B) − max)/v + 2·(p−1 + m·(v−1))·send (the module docstring). For v = 1 this is the
+        1F1B event simulation's result whenever the slowest stage is the last or all are equal (Megatron-LM's
+        cuts); :meth:`simulated_pipeline_seconds` gives the event path to compare."""
         fwd, bwd, comm = self._pipe_costs(c)
-        if self.virtual == 1 or c.stages == 1:
-            return self._sim(c.schedule, c.stages, c.num_micro_batch, fwd, bwd, comm)
         per = [f + b for f, b in zip(fwd, bwd, strict=True)]
-        p, m, v = c.stages, c.num_micro_batch, self.virtual
+        p, m, v = c.stages, c.num_micro_batch, self.virtual if c.stages > 1 else 1
+        if c.schedule == "GPipe":
+            return m * max(per) + sum(per) - max(per) + 2 * (p - 1) * comm
         return m * max(per) + (sum(per) - max(per)) / v + 2 * (p - 1 + m * (v - 1)) * comm
+
+    def simulated_pipeline_seconds(self, c: Candidate) -> float:
+        """The same through :func:`whale.plan.schedule.simulate` (the event path; 1F1B and GPipe, v = 1).
+
+        Raises:
+            ValueError: an interleaved estimator (the event simulator has no interleaved schedule yet)."""
+        if self.virtual > 1 and c.stages > 1:
+            raise ValueError(f"the event simulator has no interleaved schedule (virtual={self.virtual}); "
+                             "compare plain 1F1B plans")
+        fwd, bwd, comm = self._pipe_costs(c)
+        return self._sim(c.schedule, c.stages, c.num_micro_batch, fwd, bwd, comm)
+
+    def _lane_rows_uncached(self, mix: tuple[int, ...], m: int, t: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """One device type: every lane gets ⌈(B/m) / lanes⌉ rows at most (what the largest-remainder shares of
+        equal lanes give); mixed types as the default estimator."""
+        if len(self.pool.types) > 1:
+            return super()._lane_rows_uncached(mix, m, t)
+        lanes = mix[0] // t
+        return mix[0] * self.pool.speed(0), ((0, -(-max(1, self.batch // m) // lanes)),)
 
     def _coeffs(self, a: int, b: int, t: int, d: int, options) -> tuple[float, float, float, float]:
         """``(fixed, per row per in-flight micro-batch, per row once, host)`` bytes of one device of stage
@@ -164,8 +186,16 @@ class TransformerEstimator(DefaultEstimator):
         optim_host = state.optimizer if options.offload != "none" else 0.0
         per_flight = peak(1, 2.0).total - peak(1, 1.0).total
         once = base.total - state.total
-        fixed = state.total - optim_host
+        fixed = state.total - optim_host + self._runtime_extra(elems, d, options)
         return (fixed * ALLOCATOR_OVERHEAD, per_flight * ALLOCATOR_OVERHEAD, once * ALLOCATOR_OVERHEAD, optim_host)
+
+    def _runtime_extra(self, elems: float, d: int, options) -> float:
+        """Bytes the runtime holds beyond :func:`model_state_bytes`' ZeRO rule (:mod:`whale.plan.memory`):
+        ZeRO-2 keeps whole gradients until the last micro-batch's backward (so its peak holds them beside the
+        slice), ZeRO-3 gathers a pipelined stage's 16-bit weights whole."""
+        g = 4.0 if self.fp32_grads or self.precision == "fp32" else 2.0
+        w = 4.0 if self.precision == "fp32" else 2.0
+        return {2: g * elems, 3: w * elems}.get(options.zero, 0.0)
 
     def _flights(self, p: int, m: int, sched: str) -> np.ndarray:
         """Micro-batches' worth of activations each stage holds (interleaving: :func:`in_flight_layers`
