@@ -13,6 +13,10 @@ throughput; every other row uses that value unchanged.
 
 Keys: ``published_median_abs_rel_error`` (goal <= 0.10), ``published_max_abs_rel_error`` (goal <= 0.20),
 ``rows`` (per row predicted vs published TFLOP/s and per-GPU peak bytes), ``calibration``,
+``calibration_sensitivity`` (the same errors had each other row been the calibration row),
+``auto`` (per row: the auto search on the row's cluster, ``auto_vs_published_predicted`` = the published plan's
+predicted step over the auto plan's, ``auto_seconds``, and the closed-form pipeline against the 1F1B event
+simulation, ``estimator_vs_simulator_rel_gap``; skipped with ``--skip-auto``),
 ``published_1t_fits`` (with the predicted bytes beside Megatron's accounting), ``provenance``.
 """
 
@@ -78,14 +82,31 @@ def predict(row: Row, efficiency: float) -> dict:
             "fits": e.fits, "pipeline_seconds": e.detail["pipeline_seconds"], "post_seconds": e.detail["post_seconds"]}
 
 
-def calibrate(row: Row) -> float:
+def calibrate(row: Row, steps: int = 40) -> float:
     """The GEMM efficiency at which ``row``'s predicted TFLOP/s per GPU equals its published one (bisection;
     the prediction grows with the efficiency)."""
     lo, hi = 0.05, 1.0
-    for _ in range(50):
+    for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predict(row, mid)["tflops_per_gpu"] < row.tflops_per_gpu else (lo, mid)
     return (lo + hi) / 2
+
+
+def errors(efficiency: float) -> list[float]:
+    """|predicted / published - 1| of every row at one GEMM efficiency."""
+    return [abs(predict(r, efficiency)["tflops_per_gpu"] / r.tflops_per_gpu - 1) for r in ROWS]
+
+
+def sensitivity() -> dict:
+    """For each row taken as the (one) calibration row instead: the efficiency and the median / max error over
+    the ten rows (how much the headline depends on which row was fitted)."""
+    out = {}
+    for r in ROWS:
+        eff = calibrate(r, 25)
+        errs = errors(eff)
+        out[r.name] = {"gemm_efficiency": round(eff, 4), "median_abs_rel_error": round(statistics.median(errs), 4),
+                       "max_abs_rel_error": round(max(errs), 4)}
+    return out
 
 
 def auto_row(row: Row, efficiency: float) -> dict:
@@ -165,6 +186,7 @@ def main() -> None:
                            "TFLOP/s 16-bit peak)", "value": round(eff, 4), "fitted_on_row": cal_row.name,
                            "per_row_fit": False},
            "rows": rows,
+           "calibration_sensitivity": sensitivity(),
            "published_1t_fits": bool(p1t["fits"]),
            "published_1t_memory": {"predicted_peak_bytes_per_gpu": round(p1t["peak_bytes"]),
                                    "capacity_bytes": A100.memory_bytes,
