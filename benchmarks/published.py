@@ -127,7 +127,8 @@ def auto_row(row: Row, efficiency: float) -> dict:
         pub = estimator(row, efficiency)
         gaps.append(abs(pub.pipeline_seconds(published_plan(row)) / pub.simulated_pipeline_seconds(
             published_plan(row)) - 1))
-    return {"name": row.name, "auto_plan": best.describe(), "auto_step_seconds": round(res.best.estimate.step_seconds, 4),
+    return {"name": row.name, "auto_plan": best.describe(),
+            "auto_step_seconds": round(res.best.estimate.step_seconds, 4),
             "published_step_seconds": round(published, 4),
             "auto_vs_published_predicted": round(published / res.best.estimate.step_seconds, 4),
             "auto_legal": bool(est.split_ok(best.split)), "auto_fits": bool(res.best.estimate.fits),
