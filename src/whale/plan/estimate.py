@@ -371,16 +371,17 @@ class DefaultEstimator:
 
 
 def plan_search(model: ModelDesc, pool: DevicePool, global_batch: int, constraints=None, keep: int = 5,
-                all_cuts_below: int = 0, estimator=None):
+                all_cuts_below: int = 0, estimator=None, cross_nodes: bool = False):
     """Search ``model`` on ``pool`` at ``global_batch`` samples per step (see :mod:`whale.plan.search`); the
-    default estimator unless one is given. Returns a :class:`whale.plan.search.SearchResult`.
+    default estimator unless one is given (``cross_nodes``: split groups may span nodes, costed on the
+    inter-node link). Returns a :class:`whale.plan.search.SearchResult`.
 
     Raises:
         NoFeasiblePlanError: nothing fits; ValueError: an empty space."""
     from whale.plan.search import Constraints, enumerate_candidates, search
 
-    est = estimator or DefaultEstimator(model, pool, global_batch)
-    base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch)
+    est = estimator or DefaultEstimator(model, pool, global_batch, cross_nodes)
+    base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch, cross_nodes)
     cands = enumerate_candidates(len(model.layers), pool.counts, global_batch, constraints or Constraints(),
                                  base.cuts, base.split_ok, [d.memory_bytes for d in pool.types], all_cuts_below,
                                  pool.rank_types)
