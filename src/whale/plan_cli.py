@@ -17,6 +17,7 @@ import sys
 from whale.plan.memory import FORBIDDEN
 from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
+from whale.planner.desc_cli import add_desc_args, run_desc
 
 
 def _value(text: str):
@@ -110,7 +111,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     """Register ``whale plan``."""
     p = sub.add_parser("plan", help="print the plan for a model on a world size / cluster (no processes)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+    p.add_argument("--model", metavar="MODULE:FACTORY",
                    help="factory returning a model, (model, sample_batch) or (model, sample_batch, loss_fn), "
                         "e.g. examples.gpt.model:for_plan")
     p.add_argument("--world", type=int, required=True, help="number of ranks")
@@ -133,11 +134,17 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="PLAN.json",
                    help="also write the plan as JSON (train from it: wh.parallelize(..., plan=Plan.from_json(text)))")
     p.add_argument("--args", nargs="*", default=[], metavar="KEY=VALUE", help="keyword arguments for the factory")
+    add_desc_args(p)
     p.set_defaults(func=run_plan)
 
 
 def run_plan(ns: argparse.Namespace) -> int:
     """Build the model, plan it, print it; a bad input prints one line and returns 2."""
+    if ns.model_desc:
+        return run_desc(ns)
+    if not ns.model:
+        print("whale plan: error: give --model MODULE:FACTORY or --model-desc gpt:...", file=sys.stderr)
+        return 2
     try:
         plan = _make_plan(ns)
     except (ValueError, TypeError) as exc:

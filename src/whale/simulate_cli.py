@@ -20,6 +20,7 @@ import json
 import sys
 
 from whale.plan_cli import _make_plan, _value, add_plan, load_factory
+from whale.planner.desc_cli import run_desc
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "optim": "#8172b3"}
 BUSY_WARN = 0.10
@@ -143,6 +144,11 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from whale.frontend.planning import resolve_cluster
     from whale.frontend.simcost import predict_model
 
+    if ns.model_desc:  # a described model: the step-time model alone, no per-unit timing run
+        return run_desc(ns, simulate=True)
+    if not ns.model:
+        print("whale simulate: error: give --model MODULE:FACTORY or --model-desc gpt:...", file=sys.stderr)
+        return 2
     try:
         plan = _make_plan(ns)
         pairs = [kv.split("=", 1) for kv in ns.args]

@@ -143,10 +143,10 @@ class DefaultEstimator:
     post-sync work go through ``_seconds``, ``_link`` and ``_update``, which
     :class:`whale.plan.calibrated.CalibratedEstimator` overrides with the measured costs."""
 
-    def __init__(self, model: ModelDesc, pool: DevicePool, global_batch: int) -> None:
+    def __init__(self, model: ModelDesc, pool: DevicePool, global_batch: int, cross_nodes: bool = False) -> None:
         if global_batch < 1:
             raise ValueError(f"global_batch={global_batch} must be >= 1")
-        self.model, self.pool, self.batch = model, pool, global_batch
+        self.model, self.pool, self.batch, self.cross_nodes = model, pool, global_batch, cross_nodes
         host_path = 8 / PCIE_BANDWIDTH + 32 / HOST_MEMORY_BANDWIDTH  # seconds per element, technique_seconds
         slower = all(OPTIMIZER_BYTES_PER_ELEMENT / t.mem_bandwidth <= host_path for t in pool.types)
         self.monotone_options = ("activation_checkpoint",) + (("offload",) if slower else ())
@@ -172,8 +172,13 @@ class DefaultEstimator:
         self._post_cache = lru_cache(maxsize=None)(self._post_uncached)
 
     def split_ok(self, t: int) -> bool:
-        """Every MoE layer's experts divide over t devices (or t divides them); dense layers accept any t."""
-        return all(x.experts % t == 0 or t % x.experts == 0 for x in self.model.layers if x.kind == "moe")
+        """Every MoE layer's experts divide over t devices (or t divides them), ``t`` divides every layer's
+        ``split_dims`` (heads, width, vocabulary), and a group of ``t`` stays inside one node
+        (``devices_per_node % t == 0``) unless ``cross_nodes`` is set (then it is costed on the inter-node link)."""
+        if not self.cross_nodes and (t > self.pool.devices_per_node or self.pool.devices_per_node % t):
+            return False
+        return all(x.experts % t == 0 or t % x.experts == 0 for x in self.model.layers if x.kind == "moe") and \
+            all(n % t == 0 for x in self.model.layers if x.splittable for n in x.split_dims)
 
     def _stage_costs(self, a: int, b: int, t: int) -> _Stage:
         c = {k: v[b] - v[a] for k, v in self._cum.items()}
@@ -366,16 +371,17 @@ class DefaultEstimator:
 
 
 def plan_search(model: ModelDesc, pool: DevicePool, global_batch: int, constraints=None, keep: int = 5,
-                all_cuts_below: int = 0, estimator=None):
+                all_cuts_below: int = 0, estimator=None, cross_nodes: bool = False):
     """Search ``model`` on ``pool`` at ``global_batch`` samples per step (see :mod:`whale.plan.search`); the
-    default estimator unless one is given. Returns a :class:`whale.plan.search.SearchResult`.
+    default estimator unless one is given (``cross_nodes``: split groups may span nodes, costed on the
+    inter-node link). Returns a :class:`whale.plan.search.SearchResult`.
 
     Raises:
         NoFeasiblePlanError: nothing fits; ValueError: an empty space."""
     from whale.plan.search import Constraints, enumerate_candidates, search
 
-    est = estimator or DefaultEstimator(model, pool, global_batch)
-    base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch)
+    est = estimator or DefaultEstimator(model, pool, global_batch, cross_nodes)
+    base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch, cross_nodes)
     cands = enumerate_candidates(len(model.layers), pool.counts, global_batch, constraints or Constraints(),
                                  base.cuts, base.split_ok, [d.memory_bytes for d in pool.types], all_cuts_below,
                                  pool.rank_types)

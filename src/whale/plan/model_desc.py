@@ -17,7 +17,8 @@ pair, two all-reduces of the layer's output forward and two backward), ``"attent
 ``"moe"`` (a mixture-of-experts layer, GShard/Switch: ``experts`` experts, each token goes to ``top_k`` of them;
 an expert-parallel split shards the experts over its devices and every token crosses an all-to-all on its way
 to its experts and back, forward and backward), ``"other"`` (embeddings, norms, the head: replicated by a
-split, never cut).
+split, never cut), ``"vocab"`` (a vocab-parallel embedding or LM head, Megatron-LM's VocabParallelEmbedding and
+parallel cross-entropy: a split cuts its vocabulary rows; what the split rules of :mod:`whale.splitrules` do).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LAYER_KINDS = ("dense", "attention", "moe", "other")
+LAYER_KINDS = ("dense", "attention", "moe", "other", "vocab")
 """Layer kinds the search knows how to split (see the module docstring)."""
 
 
@@ -48,6 +49,8 @@ class LayerDesc:
         top_k: experts each token visits (``"moe"``).
         expert_params: of ``params``, the elements inside the experts (what expert parallelism shards).
         forward_flops: forward FLOPs per sample (what activation checkpointing recomputes); default flops / 3.
+        split_dims: sizes a split of this layer cuts (heads, key/value heads, width, vocabulary); a split degree
+            must divide each (:meth:`DefaultEstimator.split_ok <whale.plan.estimate.DefaultEstimator.split_ok>`).
     """
 
     name: str
@@ -60,6 +63,7 @@ class LayerDesc:
     top_k: int = 1
     expert_params: int = 0
     forward_flops: float = -1.0
+    split_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("flops", "params", "activation_bytes", "output_bytes", "expert_params"):
@@ -136,7 +140,8 @@ def from_profile(prof, name: str = "model") -> ModelDesc:
 
 
 def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | None = None, experts: int = 0,
-                top_k: int = 1, moe_every: int = 1, name: str = "transformer", act_bytes: int = 2) -> ModelDesc:
+                top_k: int = 1, moe_every: int = 1, name: str = "transformer", act_bytes: int = 2,
+                heads: int = 0) -> ModelDesc:
     """Analytic description of a decoder transformer (GPT-style; MoE FFNs when ``experts > 0``), per sample
     of ``seq`` tokens.
 
@@ -146,6 +151,9 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
     computes ``top_k`` experts. Activations saved per layer (Korthikanti et al. 2022, no sequence
     parallelism, ``act_bytes`` per element, 16-bit by default): attention ~ seq·d·(11 + 5·heads·seq/d)
     bytes at 2 bytes, simplified here to 12·seq·d + 2·seq² elements; FFN 2·seq·d + 2·seq·d_ff elements.
+
+    ``heads`` (0: unknown) joins the attention layers' ``split_dims`` beside ``d_model``; the FFN's are its
+    width, so a split degree must divide them.
 
     Raises:
         ModelDescError: a size < 1.
@@ -159,7 +167,8 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
     for i in range(n_layer):
         att_f = 3 * (2 * seq * 4 * d_model * d_model + 4 * seq * seq * d_model)
         layers.append(LayerDesc(f"h.{i}.attn", float(att_f), 4 * d_model * d_model,
-                                float((12 * seq * d_model + 2 * seq * seq) * act_bytes), out_b, "attention"))
+                                float((12 * seq * d_model + 2 * seq * seq) * act_bytes), out_b, "attention",
+                                split_dims=(d_model,) + ((heads,) if heads else ())))
         ffn_p = 2 * d_model * ff
         ffn_act = float((2 * seq * d_model + 2 * seq * ff) * act_bytes)
         if experts and i % moe_every == moe_every - 1:
@@ -167,7 +176,8 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
                                     experts * ffn_p + d_model * experts, ffn_act * top_k, out_b, "moe", experts,
                                     top_k, experts * ffn_p))
         else:
-            layers.append(LayerDesc(f"h.{i}.mlp", float(3 * 2 * seq * ffn_p), ffn_p, ffn_act, out_b, "dense"))
+            layers.append(LayerDesc(f"h.{i}.mlp", float(3 * 2 * seq * ffn_p), ffn_p, ffn_act, out_b, "dense",
+                                    split_dims=(ff,)))
     head_f = 3 * 2 * seq * d_model * vocab
     layers.append(LayerDesc("head", float(head_f), 0, float(seq * vocab * 4), float(seq * vocab * 4), "other"))
     return ModelDesc(tuple(layers), name)

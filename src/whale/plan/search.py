@@ -137,7 +137,8 @@ class Constraints:
             ``"memory"`` (types by memory, largest first) or ``"runtime"`` (as the runtime places ranks:
             replicas of ``replica_width`` devices per stage on consecutive ranks, by memory within each).
         replica_width: devices per stage in one replica (nested data parallelism), for ``"runtime"``.
-        max_micro_batch: largest micro-batch count tried.
+        max_micro_batch: largest micro-batch count tried (``None``: bounded by the batch alone, every lane
+            at least one row per micro-batch).
     """
 
     stages: int | None = None
@@ -151,7 +152,7 @@ class Constraints:
     forbid: tuple[str, ...] = ()
     stage_order: str = "all"
     replica_width: int = 1
-    max_micro_batch: int = 64
+    max_micro_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def enumerate_candidates(num_layers: int, type_counts: Sequence[int], global_bat
                 else:
                     cuts = list(dict.fromkeys(cut(p, mix)))
                 ms = [c.num_micro_batch] if c.num_micro_batch else \
-                    [m for m in divisors(global_batch) if global_batch // m >= d and m <= c.max_micro_batch]
+                    [m for m in divisors(global_batch) if global_batch // m >= d and m <= (c.max_micro_batch or m)]
                 scheds = [c.schedule] if c.schedule else (list(SCHEDULES) if p > 1 else [SCHEDULES[0]])
                 for cut_, m, sched, opt in itertools.product(cuts, ms, scheds, floor_opts):
                     yield Candidate(d, p, t, m, sched, opt, cut_, mix)
