@@ -25,6 +25,7 @@ export traces on fake tensors, values do not matter), and the node names come ou
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 
@@ -80,19 +81,44 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
                            dict(bound))
 
 
+#: torch.export's non-strict tracer now and then (about 1 start-up in 40 here, on one rank) loses track of a
+#: tensor made inside ``forward`` (``torch.arange``) and refuses it as "a fake tensor in the exported program
+#: constant's list"; the same capture succeeds when repeated, so it is retried this many times first.
+EXPORT_RETRIES = 2
+_TRANSIENT = "fake tensor in the exported program constant"
+
+
 def _export(model: nn.Module, spec: tuple[CaptureInput, ...], leaves: tuple[str, ...]):
+    """``torch.export.export(strict=False)`` of ``model`` on the example inputs of ``spec`` (every dimension
+    dynamic), keeping ``leaves`` as single calls. The cyclic garbage collector is paused meanwhile (a precaution:
+    the tracer keeps its tensor records in weak-reference tables, and a collection from another thread inside the
+    trace is the suspected cause of the refusal below), and a transient refusal (:data:`_TRANSIENT`) is retried
+    up to :data:`EXPORT_RETRIES` times.
+
+    Raises:
+        StageError: export failed for another reason, or the transient refusal every time (with guidance).
+    """
     args, kwargs = example_args(spec)
-    try:
-        return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-                                   preserve_module_call_signature=tuple(leaves))
-    except Exception as exc:  # noqa: BLE001 - re-raised with guidance
-        raise StageError(
-            f"pipelining {type(model).__name__} needs its graph, and torch.export.export(strict=False) failed: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. Common fixes: no Python "
-            "branching on tensor values in forward (use torch.where / torch.cond), inputs as tensors or JSON "
-            "scalars; or Config(capture='fx') to trace with torch.fx.symbolic_trace, or a single TaskGraph."
-        ) from exc
+    for attempt in range(EXPORT_RETRIES + 1):
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_dynamic_shapes(model, args, kwargs),
+                                       preserve_module_call_signature=tuple(leaves))
+        except Exception as exc:  # noqa: BLE001 - re-raised with guidance
+            if _TRANSIENT in str(exc) and attempt < EXPORT_RETRIES:
+                continue
+            raise StageError(
+                f"pipelining {type(model).__name__} needs its graph, and torch.export.export(strict=False) failed: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. Common fixes: no Python "
+                "branching on tensor values in forward (use torch.where / torch.cond), inputs as tensors or JSON "
+                "scalars; or Config(capture='fx') to trace with torch.fx.symbolic_trace, or a single TaskGraph."
+            ) from exc
+        finally:
+            if paused:
+                gc.enable()
+    raise AssertionError("unreachable")
 
 
 def _path_get(node: fx.Node, graph: fx.Graph, path) -> fx.Node:
