@@ -90,10 +90,10 @@ _TRANSIENT = "fake tensor in the exported program constant"
 
 def _export(model: nn.Module, spec: tuple[CaptureInput, ...], leaves: tuple[str, ...]):
     """``torch.export.export(strict=False)`` of ``model`` on the example inputs of ``spec`` (every dimension
-    dynamic), keeping ``leaves`` as single calls. The cyclic garbage collector is paused meanwhile (a precaution:
-    the tracer keeps its tensor records in weak-reference tables, and a collection from another thread inside the
-    trace is the suspected cause of the refusal below), and a transient refusal (:data:`_TRANSIENT`) is retried
-    up to :data:`EXPORT_RETRIES` times.
+    dynamic), keeping ``leaves`` as single calls. A transient refusal (:data:`_TRANSIENT`) is retried up to
+    :data:`EXPORT_RETRIES` times, with the cyclic garbage collector paused during each trace as a precaution (the
+    tracer keeps its tensor records in weak-reference tables). The refusal's cause is not known: 150 exports of
+    the GPT in one process, with a thread making cyclic garbage, did not reproduce it.
 
     Raises:
         StageError: export failed for another reason, or the transient refusal every time (with guidance).
