@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
-from whale.plan.schedule import SCHEDULES, ScheduleName
+from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 
 NonFiniteName = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[NonFiniteName, ...] = ("raise", "skip")
@@ -63,7 +63,8 @@ class Config:
         num_micro_batch: micro-batches per mini-batch (>= 1). With several TaskGraphs they flow through the
             pipeline; with one they are gradient accumulation. The global batch must be a multiple of it.
         schedule: pipeline schedule, ``"1F1B"`` (backward-first, the default: bounded activation memory) or
-            ``"GPipe"`` (all forwards, then all backwards).
+            ``"GPipe"`` (all forwards, then all backwards), or ``"ZB-H1"`` (zero-bubble: the backward split into
+            input- and weight-gradient passes, the weight pass filling the bubble; 1F1B's peak memory).
         cluster: the cluster spec, a YAML file path or a :class:`whale.cluster.ClusterSpec`. ``None``: detected
             on GPUs, identical devices on CPU. ``whale launch --cluster`` sets it through ``WHALE_CLUSTER``.
         hardware_aware: when the cluster mixes device types, balance work by device capability (Whale paper,
@@ -168,8 +169,8 @@ class Config:
                 f"num_micro_batch={self.num_micro_batch} but it must be >= 1 "
                 "(1 = no pipelining / no gradient accumulation)"
             )
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        if self.schedule not in RUNNABLE_SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {RUNNABLE_SCHEDULES}")
         if self.capture not in ("auto", "export", "fx"):
             raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):

@@ -100,6 +100,7 @@ class _InFlight:
     """Per-step state: activations awaiting backward, the posted receive of the next inputs, pending sends."""
 
     live: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)  # zero-bubble: per micro-batch, what its W pass differentiates
     next_inputs: list[p2p.PendingRecv] | None = None
     sent_meta: dict = field(default_factory=dict)  # per receiver, this step's first transfer's description
     sends: list = field(default_factory=list)
@@ -150,20 +151,26 @@ class StageExecutor:
         self.precision = None
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
-        """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
+        """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result.
+
+        With ``W`` actions among them (zero-bubble) each ``B`` computes only the gradients of the stage's inputs
+        and its ``W`` those of the parameters (:meth:`_weight`). Gradient sync is armed right before the last
+        action that accumulates parameter gradients (the last ``W``, else the last ``B``)."""
         result, state = StepResult(), _InFlight(recv_from=work.recv_from)
-        m = len(work.scales)
+        split = any(a.kind == "W" for a in actions)
+        arm_at = max((i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")), default=-1)
         t0 = time.perf_counter()
-        for a in actions:
+        for i, a in enumerate(actions):
             begin = time.perf_counter()
-            self.on_phase(f"{'forward' if train else 'eval forward'} micro-batch {a.mb}" if a.kind == "F"
-                          else f"backward micro-batch {a.mb}")
+            self.on_phase(_phase(a, train))
             if a.kind == "F":
                 self._forward(a.mb, work, train, state, result)
-            elif train:
-                self._backward(a.mb, a.mb == m - 1, state, result)
-            else:
+            elif not train:
                 continue
+            elif a.kind == "B":
+                self._backward(a.mb, i == arm_at, state, result, split)
+            else:
+                self._weight(a.mb, i == arm_at, state, result)
             c0, c1 = state.segment
             result.timeline.append((str(a), begin - t0, c0 - t0, c1 - t0))
             state.sends = [(w, b) for w, b in state.sends if not _reaped(w)]
@@ -226,8 +233,10 @@ class StageExecutor:
                 fn(out, work.targets[mb])
         return loss
 
-    def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
-        inputs, pieces, out, outgoing = state.live.pop(mb)
+    def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult, split: bool = False) -> None:
+        """The backward of micro-batch ``mb``; with ``split`` only the gradients of the received inputs
+        (``torch.autograd.grad`` on them, keeping the graph for the W pass), parameters untouched."""
+        inputs, pieces, out, outgoing = state.live[mb] if split else state.live.pop(mb)
         if self.links.is_last:
             tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
@@ -238,11 +247,32 @@ class StageExecutor:
         if last:
             self.before_last_backward(result.loss_sum)
         start = self._clock()
-        if tensors:
+        if split:
+            leaves = [v for piece in pieces for v in piece if isinstance(v, torch.Tensor) and v.requires_grad]
+            if tensors and leaves:
+                for leaf, g in zip(leaves, torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
+                                                               allow_unused=True), strict=True):
+                    leaf.grad = g  # None: unused, sent as zeros
+            state.weights[mb] = (tensors, grads)
+        elif tensors:
             torch.autograd.backward(tensors, grads)
-        self._account(start, lambda: ("B", _shapes(inputs)), state, result)
+        self._account(start, lambda: ("Bi" if split else "B", _shapes(inputs)), state, result)
         for peer, piece in zip(state.recv_from, pieces, strict=True):
             state.sends += p2p.send_grads(piece, peer.rank)
+
+    def _weight(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
+        """Zero-bubble W pass of micro-batch ``mb``: the parameters' gradients from the same outputs and
+        output gradients as its B pass (``torch.autograd.backward`` with ``inputs=`` the parameters, which
+        accumulates into ``.grad`` exactly as the plain backward; the graph is freed after it)."""
+        inputs = state.live.pop(mb)[0]
+        tensors, grads = state.weights.pop(mb)
+        if last:
+            self.before_last_backward(result.loss_sum)
+        start = self._clock()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, grads, inputs=params)
+        self._account(start, lambda: ("W", _shapes(inputs)), state, result)
 
     def _clock(self) -> tuple[float, float]:
         """Wall time, and this thread's CPU time when emulating (0.0 otherwise: not needed)."""
@@ -259,6 +289,12 @@ class StageExecutor:
         end = time.perf_counter()
         result.busy += end - wall0
         state.segment = (wall0, end)
+
+
+def _phase(a: Action, train: bool) -> str:
+    """The heartbeat's name of an action: "forward micro-batch 3", "weight-gradient micro-batch 0", ..."""
+    what = {"F": "forward" if train else "eval forward", "B": "backward", "W": "weight-gradient"}[a.kind]
+    return f"{what} micro-batch {a.mb}" + (f" of chunk {a.chunk}" if a.chunk else "")
 
 
 def _reaped(work) -> bool:

@@ -34,7 +34,7 @@ from whale.plan.checks import (
     _seq,
 )
 from whale.plan.layout import PlanLayout
-from whale.plan.schedule import SCHEDULES, ScheduleName
+from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 from whale.plan.validation import PlanChecks
 
 Kind = Literal["replicate", "split"]
@@ -181,7 +181,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         task_graphs: TaskGraphs in model order; with several (not colocated) each one is a pipeline stage.
         num_replicas: K, the nested data-parallel degree (whole pipeline copied K times).
         num_micro_batch: micro-batches per mini-batch.
-        schedule: ``"1F1B"`` or ``"GPipe"``.
+        schedule: ``"1F1B"``, ``"GPipe"`` or ``"ZB-H1"`` (:data:`whale.plan.schedule.RUNNABLE_SCHEDULES`).
         lane_weights: relative batch load of each lane (len = K * n) when every stage has the same width n;
             batch rows are apportioned exactly. Empty when the stages have different widths.
         shared_params: parameters held by several stages (tied weights).
@@ -351,7 +351,8 @@ _FIELDS: dict[type, dict[str, Check]] = {
     MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1), "expert_params": _int(0)},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
-           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
+           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(RUNNABLE_SCHEDULES),
+           "lane_weights": _POS,
            "stage_lane_weights": _seq(_POS, "lists of numbers > 0"),
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,
