@@ -8,6 +8,7 @@ atol 1e-6 on losses, every step's gradients and the parameters after the run).
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -72,3 +73,27 @@ def test_zero_bubble_across_stages_of_different_widths():
     """ZB-H1 over a batch bridge (stage 0 on two lanes, stage 1 on one) matches one process."""
     run_ranks(_compare_full, 3, {"layers": (2, 1), "widths": (2, 1), "mb": 2, "batch": 8, "schedule": "ZB-H1"},
               timeout=180)
+
+
+def _traced(rank, world, path, schedule):
+    ctx = wh.init(wh.Config(num_micro_batch=4, schedule=schedule, seed=0))
+    engine = wh.parallelize(TinyLM(stage_layers=(1, 1)), lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.1), ctx=ctx)
+    for x, y in lm_batches(2, 8):
+        engine.step((x, y))
+    return wh.write_step_trace(engine, path)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1"])
+def test_step_trace_is_a_chrome_trace_with_every_action_and_the_prediction(tmp_path, schedule):
+    path = str(tmp_path / "trace.json")
+    assert run_ranks(_traced, 2, path, schedule, timeout=120) == [path, None]
+    events = json.load(open(path))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all({"name", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in spans)
+    for pid in (0, 1, 1000, 1001):  # both ranks, executed and predicted
+        names = {e["name"] for e in spans if e["pid"] == pid}
+        assert {f"F{i}" for i in range(4)} <= names and {f"B{i}" for i in range(4)} <= names
+        assert ({f"W{i}" for i in range(4)} <= names) == (schedule == "ZB-H1")
+    cats = {e["cat"] for e in spans if e["pid"] < 1000}
+    assert {"forward", "backward", "all-reduce", "optimizer"} <= cats
+    assert "idle" in {e["cat"] for e in spans if e["pid"] == 0}  # stage 0 waits for output gradients

@@ -75,6 +75,9 @@ class Engine(GradientUpdate):
             (the optimizer's groups then hold host masters).
         stage, lane: this rank's pipeline stage and data-parallel lane.
         last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
+        schedule: every stage's actions (:mod:`whale.plan.schedule`); this rank runs ``schedule[stage]``.
+        last_phases, last_step_wall: the latest step's gradient sync and optimizer ``(name, start, end)`` and its
+            wall-clock start (:func:`whale.runtime.trace.write_step_trace` writes the step as a Chrome trace).
 
     Raises:
         StageError: the model does not match the plan's stage cut.
@@ -93,11 +96,14 @@ class Engine(GradientUpdate):
         self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)  # every stage's actions
+        self.actions = self.schedule[self.stage]
         self.steps_done = 0
         self.run_id: str | None = None  # the checkpoint run (ckpt_runs): made at the first save, adopted by a load
         self.history = StepHistory()
         self.last_timeline: list = []
+        self.last_phases: list = []  # (name, start, end) s from the schedule's start: gradient sync, optimizer
+        self.last_step_wall = 0.0  # wall-clock time (time.time()) the latest step's schedule started
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         stage_module = build_stage(model, plan, self.stage, stages)  # checks the plan on every rank, no collective
         if plan.max_lanes > 1:
@@ -241,12 +247,17 @@ class Engine(GradientUpdate):
         before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
         self.nonfinite.start()
+        wall, t0 = time.time(), time.perf_counter()
         result = self.executor.run(self.actions, work, train=True)
-        schedule_time = time.perf_counter() - start
+        t1 = time.perf_counter()
+        schedule_time = t1 - start
         heartbeat.beat("gradient sync")
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
         heartbeat.beat("optimizer")
+        t2 = time.perf_counter()
         loss, norm, skipped = self._apply_gradients(result.loss_sum)
+        self.last_step_wall = wall
+        self.last_phases = [("gradient sync", t1 - t0, t2 - t0), ("optimizer", t2 - t0, time.perf_counter() - t0)]
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self.steps_done += 1
         heartbeat.beat("after the step (in the training script)")
