@@ -35,7 +35,8 @@ def _compare_full(rank, world, spec):
     model (``full_state_dict``, gathered on rank 0) after the run. Returns the losses, the plan and this rank's
     last timeline labels."""
     ctx = wh.init(wh.Config(num_micro_batch=spec["mb"], schedule=spec["schedule"], seed=0, zero=spec.get("zero", 0),
-                            activation_checkpoint=spec.get("ckpt"), track_memory=spec.get("track")))
+                            activation_checkpoint=spec.get("ckpt"), track_memory=spec.get("track"),
+                            virtual_stages=spec.get("v", 1), load_shares=spec.get("shares")))
     model = TinyLM(stage_layers=spec["layers"], tied=True, stage_widths=spec.get("widths"))
     ref = copy.deepcopy(model)
     engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx)
@@ -97,3 +98,22 @@ def test_step_trace_is_a_chrome_trace_with_every_action_and_the_prediction(tmp_p
     cats = {e["cat"] for e in spans if e["pid"] < 1000}
     assert {"forward", "backward", "all-reduce", "optimizer"} <= cats
     assert "idle" in {e["cat"] for e in spans if e["pid"] == 0}  # stage 0 waits for output gradients
+
+
+@pytest.mark.parametrize("world,layers,v,mb,shares", [
+    (2, (1, 1, 1, 1), 2, 4, None),  # p=2, v=2, equal chunks
+    (2, (2, 1, 1, 3, 1, 2), 3, 2, None),  # p=2, v=3, uneven chunks, m = p
+    (4, (1, 2, 1, 1, 2, 1, 1, 1), 2, 4, None),  # p=4, v=2
+    (4, (2, 1, 1, 3), 2, 4, (3, 1)),  # p=2 x 2 lanes of uneven shares (nested DP), uneven chunks
+])
+def test_interleaved_matches_one_process(world, layers, v, mb, shares):
+    """Interleaved 1F1B: the embedding (chunk 0, stage 0) stays tied to the head (last chunk, last stage)."""
+    results = run_ranks(_compare_full, world, {"layers": layers, "mb": mb, "batch": 8, "schedule": "Interleaved1F1B",
+                                               "v": v, "shares": shares}, timeout=240)
+    plan = wh.Plan.from_json(results[0]["plan"])
+    p = len(layers) // v
+    assert (plan.num_stages, plan.virtual_stages, plan.num_chunks) == (p, v, len(layers))
+    assert [sp.stages for sp in plan.shared_params] == [(0, p - 1)]
+    for r in results:  # every rank ran F and B of each of its v chunks for every micro-batch
+        assert sorted(r["labels"]) == sorted(f"{k}{i}" + (f"c{c}" if c else "") for k in "FB" for c in range(v)
+                                             for i in range(mb))

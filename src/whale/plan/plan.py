@@ -218,6 +218,9 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
             updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
             between steps); see :mod:`whale.runtime.offload`.
+        virtual_stages: model chunks per rank (``"Interleaved1F1B"``; 1 otherwise): the ``p * v`` TaskGraphs
+            and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
+            ``shared_params`` then name pipeline stages (rank positions).
     """
 
     world_size: int
@@ -245,6 +248,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     predicted_memory: tuple[float, ...] = ()
     offload: OffloadName = "none"
     moe_layers: tuple[MoELayer, ...] = ()
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -257,7 +261,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
 
     def stage_task_graphs(self, stage: int) -> tuple[TaskGraph, ...]:
         """TaskGraphs run by a stage (all of them when colocated)."""
-        return self.task_graphs if self.colocated else (self.task_graphs[stage],)
+        return self.task_graphs if self.colocated else self.task_graphs[stage::self.num_stages]
 
     def split_targets(self, stage: int) -> list[tuple[str, tuple[float, ...]]]:
         """``(module FQN, shard weights)`` of every module a stage runs under ``split`` (top-level or nested)."""
@@ -351,7 +355,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
     MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1), "expert_params": _int(0)},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
-           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(RUNNABLE_SCHEDULES),
+           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(RUNNABLE_SCHEDULES), "virtual_stages": _int(1),
            "lane_weights": _POS,
            "stage_lane_weights": _seq(_POS, "lists of numbers > 0"),
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),

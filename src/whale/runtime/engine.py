@@ -46,6 +46,14 @@ from whale.runtime.stats import StepHistory, StepTiming
 from whale.runtime.update import GradientUpdate
 
 
+def _links(plan: Plan, stage: int, lane: int) -> StageLinks:
+    """This rank's place in the pipeline; interleaved plans add the wrap-around peers of its lane."""
+    if plan.virtual_stages == 1:
+        return StageLinks(stage, plan.num_stages)
+    return StageLinks(stage, plan.num_stages, plan.virtual_stages, plan.rank_of(plan.num_stages - 1, lane),
+                      plan.rank_of(0, lane))
+
+
 class Engine(GradientUpdate):
     """Runs training steps of one rank's stage under a plan. Made by :func:`whale.parallelize`.
 
@@ -96,7 +104,8 @@ class Engine(GradientUpdate):
         self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)  # every stage's actions
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch,
+                                      plan.virtual_stages)  # every stage's actions
         self.actions = self.schedule[self.stage]
         self.steps_done = 0
         self.run_id: str | None = None  # the checkpoint run (ckpt_runs): made at the first save, adopted by a load
@@ -111,7 +120,8 @@ class Engine(GradientUpdate):
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
-        apply_checkpointing(self.module, plan.activation_checkpoint)  # recompute in backward (whale.memory)
+        for chunk in getattr(self.module, "chunks", [self.module]):  # interleaved: each chunk's graph
+            apply_checkpointing(chunk, plan.activation_checkpoint)  # recompute in backward (whale.memory)
         self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
@@ -124,7 +134,7 @@ class Engine(GradientUpdate):
         owners = norm_owned_params(plan, self.module, self.mesh, self.split.params)
         self._norm_owner = self.zero.norm_params(owners) if self.zero is not None else owners
         self.nonfinite = nonfinite_guard(self, loss_fn)  # NaN/inf losses and gradients: runtime/nonfinite.py
-        self.executor = StageExecutor(self.module, StageLinks(self.stage, plan.num_stages), self.nonfinite.loss_fn,
+        self.executor = StageExecutor(self.module, _links(plan, self.stage, self.lane), self.nonfinite.loss_fn,
                                       ctx.device, self.split.counts_loss(plan, self.lane), self._arm)
         self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
         self.executor.precision = self.precision if self.precision.dtype is not None else None
