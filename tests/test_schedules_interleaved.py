@@ -117,3 +117,37 @@ def test_interleaved_matches_one_process(world, layers, v, mb, shares):
     for r in results:  # every rank ran F and B of each of its v chunks for every micro-batch
         assert sorted(r["labels"]) == sorted(f"{k}{i}" + (f"c{c}" if c else "") for k in "FB" for c in range(v)
                                              for i in range(mb))
+
+
+@pytest.mark.parametrize("extra", [{"zero": 1}, {"zero": 2}, {"ckpt": "all", "track": True}],
+                         ids=["zero1", "zero2", "checkpointing+memory"])
+def test_interleaved_composes_with_zero_and_checkpointing(extra):
+    """Interleaved (p=2, v=2) with 2 lanes per stage under ZeRO-1/2, or recomputing every block of every
+    chunk with the memory tracker on."""
+    results = run_ranks(_compare_full, 4, {"layers": (1, 2, 1, 1), "mb": 4, "batch": 8, "v": 2,
+                                           "schedule": "Interleaved1F1B", **extra}, timeout=240)
+    if extra.get("track"):
+        assert all(r["peak"] for r in results)
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"schedule": "Interleaved1F1B"}, "needs virtual_stages >= 2"),
+    ({"schedule": "1F1B", "virtual_stages": 2}, "needs schedule='Interleaved1F1B'"),
+    ({"schedule": "Interleaved1F1B", "virtual_stages": 0}, "must be an int >= 1"),
+])
+def test_bad_schedule_combinations_are_one_line_config_errors(config, match):
+    with pytest.raises(wh.ConfigError, match=match) as info:
+        wh.Config(**config)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("layers,config,match", [
+    ((1, 1, 1), {}, "model has 3 stage scope"),  # not whole chunks per stage
+    ((1, 1, 1, 1), {"num_micro_batch": 3}, "multiple of the 2 pipeline stages, got 3; use 2 or 4"),
+    ((1, 1, 1, 1), {"zero": 3}, "zero = 3 gathers parameters around whole-stage calls"),
+])
+def test_interleaved_plans_refuse_what_they_cannot_run(layers, config, match):
+    cfg = wh.Config(schedule="Interleaved1F1B", virtual_stages=2, **{"num_micro_batch": 4, **config})
+    with pytest.raises((wh.PlanError, wh.ScheduleError), match=match) as info:
+        wh.plan_model(TinyLM(stage_layers=layers), 2, cfg)
+    assert "\n" not in str(info.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 from whale.plan.checks import PlanError, _fail
+from whale.plan.schedule import ScheduleError, make_schedule
 
 _REPLAN = "re-plan with wh.plan_model (or `whale plan --out`) instead of editing which TaskGraph holds a module"
 
@@ -129,6 +130,13 @@ class PlanChecks:
             _fail("virtual_stages", v, f"runs chunks of one width and no split regions, but the TaskGraphs have "
                   f"widths {widths}{' and split regions' if any(tg.has_split for tg in self.task_graphs) else ''}",
                   "give every stage scope the same device count without split, or use the 1F1B schedule")
+        try:  # the schedule's own rules (micro-batches a multiple of the stages)
+            make_schedule(self.schedule, n // v, self.num_micro_batch, v)
+        except ScheduleError as exc:
+            raise PlanError(str(exc)) from None
+        if self.zero >= 3:
+            _fail("zero", self.zero, f"gathers parameters around whole-stage calls, which the {v} chunks of an "
+                  "interleaved stage are not", "use zero=1 or 2 with virtual_stages > 1, or virtual_stages=1")
 
     def _validate_cut_modules(self) -> None:
         """A pipeline's TaskGraph s lists modules whose tensors stage s's cut holds: a module listed under
