@@ -9,6 +9,7 @@ compute; the events of one step:
 - ``forward`` / ``backward`` / ``weight-gradient``: each action's compute (``F3``, ``B0c1``, ``W2``);
 - ``recv`` (idle): the wait before an action for its inputs or output gradients to arrive;
 - ``send``: posting the action's sends (asynchronous; the transfer itself overlaps what follows);
+  gaps under :data:`MIN_GAP_S` are left out;
 - ``all-reduce``: the gradient sync after the schedule (what the backward did not hide), ``optimizer``: the update.
 
 The prediction (:func:`predicted_events`, processes ``1000 + rank`` named "predicted rank r") is the event
@@ -29,6 +30,8 @@ PREDICTED_PID = 1000
 """Process id offset of the predicted ranks in the trace."""
 
 _CATS = {"F": "forward", "B": "backward", "W": "weight-gradient"}
+MIN_GAP_S = 5e-6
+"""Gaps shorter than this (Python bookkeeping between actions) get no ``send`` / ``recv`` event."""
 
 
 def _event(name: str, cat: str, start_s: float, end_s: float, pid: int, args: dict | None = None) -> dict:
@@ -49,9 +52,9 @@ def step_events(timeline: list, phases: list, rank: int, offset_s: float = 0.0) 
     """
     out, prev_end = [], 0.0
     for label, start, c0, c1 in timeline:
-        if start > prev_end:
+        if start - prev_end > MIN_GAP_S:
             out.append(_event("send", "send", offset_s + prev_end, offset_s + start, rank))
-        if c0 > start:
+        if c0 - start > MIN_GAP_S:
             out.append(_event("recv", "idle", offset_s + start, offset_s + c0, rank, {"waits for": label}))
         out.append(_event(label, _CATS.get(label[:1], "compute"), offset_s + c0, offset_s + c1, rank))
         prev_end = c1
