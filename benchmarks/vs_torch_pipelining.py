@@ -22,8 +22,8 @@ Steps are paired in ABBA order (Whale, torch, then torch, Whale, ...) so host dr
 timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's
 step seconds / Whale's (goal >= 1.0), with its interquartile range (a local pairing loop: :func:`_paired`).
 Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
-schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns (the global loss all-reduced to every
-rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
+schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
+(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
 stage and is read outside the timed region).
 
     python benchmarks/vs_torch_pipelining.py --out benchmarks/results/vs_torch_pipelining.json
@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -48,6 +46,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._local_provenance import provenance  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
 from whale.plan.schedule import schedule_bubble  # noqa: E402
 
@@ -195,19 +194,6 @@ def worker(rank: int, world: int, args) -> list[dict]:
     return results if rank == 0 else []
 
 
-def _provenance(seconds: float | None) -> dict:
-    """Commit, command, date, host load and wall time of this run (a local helper; the shared
-    ``benchmarks/_provenance.py`` of the figures branch replaces it on merge)."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"commit": commit, "command": " ".join([sys.executable, *sys.argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_load_1_5_15": list(os.getloadavg()), "cpu_count": os.cpu_count(), "wall_s": seconds}
-
-
 def report(results: list[dict], args, seconds: float | None = None) -> dict:
     """Print the table; write ``{"args", "provenance", "results"}`` to ``args.out`` when given. Returns that dict."""
     print(f"{'model':>10} {'schedule':>15} {'whale ms':>9} {'torch ms':>9} {'ratio':>7} {'IQR':>13}  {'goal':<5} "
@@ -223,7 +209,7 @@ def report(results: list[dict], args, seconds: float | None = None) -> dict:
               f"{idle} ({r['theory_idle_share']:.3f})")
     print("ratio = median over ABBA pairs of torch step / Whale step (throughput ratio, goal >= 1.0); loss diff of "
           "the first step; idle = Whale's 1 - busy / schedule makespan, theory = schedule_bubble")
-    out = {"args": vars(args), "provenance": _provenance(seconds), "results": results, "wall_s": seconds}
+    out = {"args": vars(args), "provenance": provenance(seconds), "results": results, "wall_s": seconds}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -12,8 +12,9 @@ block: :func:`validate` checks that a schedule cannot deadlock under these rules
 Sources: GPipe (Huang et al., 2019) runs all forwards, then all backwards; 1F1B (PipeDream-Flush,
 Narayanan et al., 2021) runs ``S - s`` warm-up forwards on stage s, then alternates one forward and one
 backward, bounding in-flight micro-batches on stage s by ``S - s``. On equal stages both leave every stage idle
-for (p-1)/(m+p-1) of the step (p stages, m micro-batches): :func:`bubble_fraction`. Interleaved 1F1B (:func:`interleaved_1f1b`) and zero-bubble ZB-H1 (:func:`zb_h1`) are
-described at their builders; :func:`schedule_bubble` gives each schedule's formula.
+for (p-1)/(m+p-1) of the step (p stages, m micro-batches): :func:`bubble_fraction`. Interleaved 1F1B
+(:func:`interleaved_1f1b`) and zero-bubble ZB-H1 (:func:`zb_h1`) are described at their builders;
+:func:`schedule_bubble` gives each schedule's formula.
 
 This module is pure data and arithmetic: it imports nothing from the runtime.
 """
