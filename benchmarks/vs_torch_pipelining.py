@@ -1,12 +1,16 @@
 """Whale's pipeline vs ``torch.distributed.pipelining`` on the same model, stages, micro-batches and schedule.
 
-Two stages (world 2, gloo, one CPU thread per rank), 4 micro-batches, GPipe and 1F1B, at a tiny model (dim 64,
-~2-4 ms per micro-batch: per-step overheads dominate) and a larger one (dim 512, as in pipeline_bubble.py).
-The model (``pipeline_bubble.Pipe``: ``--blocks`` MLP blocks per stage, each stage's blocks under
-``wh.replicate(1)``) is built once from ``--seed``; Whale gets one deep copy (``wh.parallelize`` with
-``wh.Config(num_micro_batch=4, schedule=...)``), torch another, cut into per-rank stage modules by hand
-(``PipelineStage`` over this rank's blocks, ``ScheduleGPipe`` / ``Schedule1F1B``). Plain MSE on random data,
-SGD (no momentum), the same fixed global batch every step.
+Two stages (world 2, gloo, one CPU thread per rank), 4 micro-batches, at a tiny model (dim 64, ~2-4 ms per
+micro-batch: per-step overheads dominate) and a larger one (dim 512, as in pipeline_bubble.py), for each
+schedule pair (Whale's, torch's): GPipe / ``ScheduleGPipe``, 1F1B / ``Schedule1F1B``, Interleaved1F1B with
+``--virtual-stages`` chunks per rank / ``ScheduleInterleaved1F1B``, and zero-bubble ZB-H1 /
+``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB1P order: the paper's ZB-H1).
+The model (``pipeline_bubble.Pipe``: ``--blocks`` MLP blocks per rank, in ``v`` chunks of ``blocks / v`` under
+``wh.replicate(1)`` each, so every schedule runs the same work per rank) is built once from ``--seed``; Whale
+gets one deep copy (``wh.parallelize`` with ``wh.Config(num_micro_batch=4, schedule=..., virtual_stages=v)``),
+torch another, cut into per-rank stage modules by hand (one ``PipelineStage`` per chunk of this rank: chunk c of
+rank r is stage ``c*p + r``). Plain MSE on random data, SGD (no momentum), the same fixed global batch every
+step.
 
 Loss reductions agree: Whale's loss is the mean over the global batch (each micro-batch's per-sample mean
 weighted by rows / global batch). torch computes ``F.mse_loss`` (a per-sample mean) per micro-batch and, with
@@ -14,10 +18,12 @@ weighted by rows / global batch). torch computes ``F.mse_loss`` (a per-sample me
 are those of the mean of the micro-batch losses; micro-batches have equal rows, so that mean is the global
 batch mean, and torch's step loss is reported as ``mean(losses)`` from its last stage.
 
-Steps are interleaved (Whale, torch, then torch, Whale, ...) so host drift hits both alike; each step is
-timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = torch's median step seconds
-/ Whale's (goal >= 1.0). A Whale step includes what its API returns (the global loss all-reduced to every
-rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
+Steps are paired in ABBA order (Whale, torch, then torch, Whale, ...) so host drift hits both alike; each step is
+timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's
+step seconds / Whale's (goal >= 1.0), with its interquartile range (a local pairing loop: :func:`_paired`).
+Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
+schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
+(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
 stage and is read outside the timed region).
 
     python benchmarks/vs_torch_pipelining.py --out benchmarks/results/vs_torch_pipelining.json
@@ -40,9 +46,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._local_provenance import provenance  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
+from whale.plan.schedule import schedule_bubble  # noqa: E402
 
-SCHEDULES = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1")
+TORCH_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+                   "ZB-H1": "ScheduleInterleavedZeroBubble"}
+"""Whale's schedule -> torch.distributed.pipelining's class of the same schedule."""
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -54,27 +65,33 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def _torch_stage(model: Pipe, rank: int, world: int, per_stage: int) -> nn.Module:
-    """This rank's blocks of ``model`` (stage ``rank`` of ``world``) as one sequential stage module."""
-    return nn.Sequential(*list(model.blocks)[rank * per_stage:(rank + 1) * per_stage])
+def _chunks(schedule: str, args) -> int:
+    """Model chunks per rank of ``schedule``."""
+    return args.virtual_stages if schedule == "Interleaved1F1B" else 1
 
 
 def _torch_runner(model: Pipe, schedule: str, rank: int, world: int, args):
     """A ``step(x, y) -> loss | None`` over ``torch.distributed.pipelining`` (loss on the last stage only)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
-    stage_mod = _torch_stage(model, rank, world, args.blocks)
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
-    sched = cls(stage, n_microbatches=args.micro_batches, loss_fn=F.mse_loss, scale_grads=True)
-    opt = torch.optim.SGD(stage_mod.parameters(), lr=args.lr)
+    v = _chunks(schedule, args)
+    per = args.blocks // v
+    blocks = list(model.blocks)
+    mods = [nn.Sequential(*blocks[c * per:(c + 1) * per]) for c in range(rank, world * v, world)]
+    stages = [pipelining.PipelineStage(m, c, world * v, torch.device("cpu"))
+              for m, c in zip(mods, range(rank, world * v, world), strict=True)]
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    multi = schedule in ("Interleaved1F1B", "ZB-H1")
+    sched = cls(stages if multi else stages[0], n_microbatches=args.micro_batches, loss_fn=F.mse_loss,
+                scale_grads=True)
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=args.lr)
     last = rank == world - 1
 
     def step(x, y):
         """One schedule step and optimizer step; the micro-batch losses on the last stage."""
         losses: list = []
         if rank == 0:
-            sched.step(x)
+            sched.step(x, target=y, losses=losses) if multi else sched.step(x)
         else:
             sched.step(target=y, losses=losses)
         opt.step()
@@ -85,18 +102,34 @@ def _torch_runner(model: Pipe, schedule: str, rank: int, world: int, args):
 
 
 def _whale_runner(model: Pipe, schedule: str, args):
-    """A ``step(x, y) -> global mean loss`` over Whale (``wh.parallelize`` of the annotated model)."""
+    """A ``step(x, y) -> (global mean loss, busy s, schedule s)`` over Whale (``wh.parallelize``)."""
     import whale as wh
 
-    ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=schedule, seed=args.seed))
+    ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=schedule, seed=args.seed,
+                            virtual_stages=_chunks(schedule, args)))
     engine = wh.parallelize(model, F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=args.lr), ctx=ctx)
-    return lambda x, y: engine.step((x, y))["loss"]
+
+    def step(x, y):
+        """One Whale step."""
+        out = engine.step((x, y))
+        return out["loss"], out["busy_time"], out["schedule_time"]
+
+    return step
+
+
+def _paired(whale: list[float], torch_s: list[float]) -> dict:
+    """Median and interquartile range of the per-pair ratios torch / Whale (local pairing loop; the shared
+    ``benchmarks/_paired.py`` of the figures branch replaces it on merge)."""
+    ratios = sorted(t / w for w, t in zip(whale, torch_s, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"median": statistics.median(ratios), "iqr": [q[0], q[2]], "pairs": len(ratios)}
 
 
 def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> dict | None:
     """Both frameworks on one (model, schedule); interleaved timed steps. Returns the case's record on rank 0."""
     torch.manual_seed(args.seed)  # the same model on every rank
-    model = Pipe(dim, world, args.blocks)
+    v = _chunks(schedule, args)
+    model = Pipe(dim, world * v, args.blocks // v)
     whale_step = _whale_runner(copy.deepcopy(model), schedule, args)
     torch_step = _torch_runner(copy.deepcopy(model), schedule, rank, world, args)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -104,29 +137,49 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
     y = torch.randn(rows * args.micro_batches, dim, generator=g)
     times: dict[str, list[float]] = {"whale": [], "torch": []}
     losses: dict[str, list] = {"whale": [], "torch": []}
+    spans: list[tuple[float, float]] = []
     runners = {"whale": whale_step, "torch": torch_step}
     for i in range(args.warmup + args.steps):
         order = ("whale", "torch") if i % 2 == 0 else ("torch", "whale")
         for name in order:
             seconds, loss = _timed(lambda n=name: runners[n](x, y))
+            if name == "whale":
+                loss, busy, window = loss
+                if i >= args.warmup:
+                    spans.append((busy, window))
             losses[name].append([float(v.detach()) for v in loss] if isinstance(loss, list) else loss)
             if i >= args.warmup:
                 times[name].append(seconds)
     torch_losses = [statistics.fmean(ls) for ls in losses["torch"]] if rank == world - 1 else None
     gathered = [None] * world
-    dist.all_gather_object(gathered, torch_losses)
+    dist.all_gather_object(gathered, (torch_losses, spans))
     if rank != 0:
         return None
-    return _record(dim, rows, schedule, times, [float(v) for v in losses["whale"]], gathered[world - 1])
+    idle = _idle_shares([g[1] for g in gathered])
+    theory = schedule_bubble(schedule, world, args.micro_batches, v)
+    return _record(dim, rows, schedule, times, [float(v) for v in losses["whale"]], gathered[world - 1][0]) | {
+        "virtual_stages": v, "torch_schedule": TORCH_SCHEDULES[schedule], "whale_idle_share": idle,
+        "theory_idle_share": theory, "idle_minus_theory": [i - theory for i in idle]}
+
+
+def _idle_shares(spans: list[list[tuple[float, float]]]) -> list[float]:
+    """Per stage, the median over steps of 1 - busy / the step's makespan (the largest schedule time of any
+    stage); ``spans[stage][step] = (busy s, schedule s)``."""
+    out = []
+    for mine in spans:
+        out.append(statistics.median(1 - b / max(s[i][1] for s in spans) for i, (b, _) in enumerate(mine)))
+    return out
 
 
 def _record(dim: int, rows: int, schedule: str, times: dict, whale_losses: list, torch_losses: list) -> dict:
     """The JSON record of one case."""
     med = {k: statistics.median(v) for k, v in times.items()}
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(whale_losses, torch_losses, strict=True)]
+    paired = _paired(times["whale"], times["torch"])
     return {"schedule": schedule, "dim": dim, "rows_per_micro_batch": rows,
             "whale_step_s": med["whale"], "torch_step_s": med["torch"],
-            "throughput_ratio_vs_torch_pipelining": med["torch"] / med["whale"],
+            "throughput_ratio_vs_torch_pipelining": paired["median"], "throughput_ratio_iqr": paired["iqr"],
+            "pairs": paired["pairs"],
             "first_loss_whale": whale_losses[0], "first_loss_torch": torch_losses[0],
             "first_loss_rel_diff": rel[0], "max_loss_rel_diff_all_steps": max(rel),
             "losses_whale": whale_losses, "losses_torch": torch_losses, "raw_step_s": times}
@@ -136,24 +189,27 @@ def worker(rank: int, world: int, args) -> list[dict]:
     """Every case on this rank (``world`` must be 2: one rank per stage); the records on rank 0."""
     results = []
     for dim, rows in ((args.tiny_dim, args.tiny_rows), (args.dim, args.rows)):
-        for schedule in SCHEDULES:
+        for schedule in args.schedules:
             results.append(_case(rank, world, args, dim, rows, schedule))
     return results if rank == 0 else []
 
 
 def report(results: list[dict], args, seconds: float | None = None) -> dict:
-    """Print the table; write ``{"args": ..., "results": ...}`` to ``args.out`` when given. Returns that dict."""
-    print(f"{'model':>10} {'schedule':>8} {'whale ms':>9} {'torch ms':>9} {'ratio':>7}  {'goal':<5} "
-          f"{'loss whale':>11} {'loss torch':>11} {'rel diff':>9}")
+    """Print the table; write ``{"args", "provenance", "results"}`` to ``args.out`` when given. Returns that dict."""
+    print(f"{'model':>10} {'schedule':>15} {'whale ms':>9} {'torch ms':>9} {'ratio':>7} {'IQR':>13}  {'goal':<5} "
+          f"{'rel loss diff':>13}  idle share per stage (theory)")
     for r in results:
         ratio = r["throughput_ratio_vs_torch_pipelining"]
         r["goal_met"] = ratio >= 1.0
         model = f"d{r['dim']}x{r['rows_per_micro_batch']}"
-        print(f"{model:>10} {r['schedule']:>8} {r['whale_step_s'] * 1e3:>9.2f} {r['torch_step_s'] * 1e3:>9.2f} "
-              f"{ratio:>7.3f}  {'met' if r['goal_met'] else 'NOT':<5} {r['first_loss_whale']:>11.6f} "
-              f"{r['first_loss_torch']:>11.6f} {r['first_loss_rel_diff']:>9.1e}")
-    print("ratio = torch step / Whale step (throughput ratio, goal >= 1.0); losses of the first step")
-    out = {"args": vars(args), "results": results, "wall_s": seconds}
+        iqr = "{:.3f}-{:.3f}".format(*r["throughput_ratio_iqr"])
+        idle = " ".join(f"{i:.3f}" for i in r["whale_idle_share"])
+        print(f"{model:>10} {r['schedule']:>15} {r['whale_step_s'] * 1e3:>9.2f} {r['torch_step_s'] * 1e3:>9.2f} "
+              f"{ratio:>7.3f} {iqr:>13}  {'met' if r['goal_met'] else 'NOT':<5} {r['first_loss_rel_diff']:>13.1e}  "
+              f"{idle} ({r['theory_idle_share']:.3f})")
+    print("ratio = median over ABBA pairs of torch step / Whale step (throughput ratio, goal >= 1.0); loss diff of "
+          "the first step; idle = Whale's 1 - busy / schedule makespan, theory = schedule_bubble")
+    out = {"args": vars(args), "provenance": provenance(seconds), "results": results, "wall_s": seconds}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -166,7 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (defaults: the documented run)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=2, help="MLP blocks per stage")
+    p.add_argument("--blocks", type=int, default=2, help="MLP blocks per rank (split into its chunks)")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of Interleaved1F1B")
     p.add_argument("--tiny-dim", type=int, default=64)
     p.add_argument("--tiny-rows", type=int, default=512, help="rows per micro-batch of the tiny model")
     p.add_argument("--dim", type=int, default=512, help="the larger model's width")

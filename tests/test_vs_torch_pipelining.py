@@ -1,5 +1,6 @@
 """benchmarks/vs_torch_pipelining.py on 2 ranks with a tiny config: Whale and torch.distributed.pipelining
-compute the same first-step loss from the same initial weights, for GPipe and 1F1B, and the JSON report has
+compute the same first-step loss from the same initial weights, for GPipe, 1F1B, interleaved 1F1B and zero-bubble,
+and the JSON report has
 its fields. No speed assertion: speed is the benchmark's to report (benchmarks/results/vs_torch_pipelining.json).
 """
 
@@ -24,7 +25,8 @@ def test_whale_and_torch_pipelining_agree(tmp_path):
     args = vs_torch_pipelining.parse_args(ARGV + ["--out", str(tmp_path / "out.json")])
     results = run_ranks(_worker, 2, args, timeout=120)[0]
     report = vs_torch_pipelining.report(results, args)
-    assert [(r["dim"], r["schedule"]) for r in results] == [(16, "GPipe"), (16, "1F1B"), (32, "GPipe"), (32, "1F1B")]
+    assert [(r["dim"], r["schedule"]) for r in results] == [(d, s) for d in (16, 32)
+                                                           for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1")]
     for r in results:
         assert abs(r["first_loss_whale"] - r["first_loss_torch"]) <= 1e-5 * abs(r["first_loss_torch"])
         assert len(r["losses_whale"]) == len(r["losses_torch"]) == 3  # warmup + timed steps, both frameworks
@@ -33,7 +35,8 @@ def test_whale_and_torch_pipelining_agree(tmp_path):
     assert saved["args"]["micro_batches"] == 4
     for r in saved["results"]:
         for key in ("whale_step_s", "torch_step_s", "throughput_ratio_vs_torch_pipelining", "first_loss_whale",
-                    "first_loss_torch", "first_loss_rel_diff", "goal_met", "raw_step_s"):
+                    "first_loss_torch", "first_loss_rel_diff", "goal_met", "raw_step_s", "throughput_ratio_iqr",
+                    "whale_idle_share", "theory_idle_share"):
             assert key in r
         assert r["whale_step_s"] > 0 and r["torch_step_s"] > 0
         assert len(r["raw_step_s"]["whale"]) == len(r["raw_step_s"]["torch"]) == 2

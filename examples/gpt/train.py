@@ -43,13 +43,14 @@ from examples.gpt.data import (  # noqa: E402
 )
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
+from examples.gpt.pipeline_flags import add_schedule_args, check_schedule_args  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
 from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
-from whale.plan.schedule import bubble_fraction  # noqa: E402
+from whale.plan.schedule import schedule_bubble  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--stages", type=one, default=2, help="pipeline stages (wh.replicate(1) scopes in the model)")
     a("--stage-layers", type=str, default=None,
       help="blocks per stage as annotated, e.g. 3,1 (default: even); on a mixed cluster the hardware-aware planner "
-           "re-cuts the stages by device speed (the annotations then fix only the stage count)")
-    a("--schedule", default="1F1B", choices=["1F1B", "GPipe"])
+           "re-cuts the stages by device speed (the annotations then fix only the stage count); under --schedule "
+           "interleaved, blocks per chunk (stages x V counts)")
+    add_schedule_args(a)
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward; fp16 adds dynamic loss scaling (master weights stay fp32)")
     a("--eval-every", type=zero, default=200, help="held-out evaluation every N steps (0: start/end only)")
@@ -149,7 +151,7 @@ def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, 
     cfg = model_config(args)
     stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
     width = None if not args.moe_experts or args.stages == 1 else max(1, ctx.world_size // args.stages)
-    model = GPT(cfg, stages=args.stages, stage_layers=stage_layers, stage_width=width)
+    model = GPT(cfg, stages=args.stages * args.virtual_stages, stage_layers=stage_layers, stage_width=width)
     n_params = model.num_params()
     engine = wh.parallelize(
         model, loss_fn=moe_loss_fn(model, loss_fn) if args.moe_experts else loss_fn,
@@ -222,13 +224,14 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
 def bubble_report(engine: wh.Engine, args: argparse.Namespace) -> list[dict]:
     """Per stage: busy and idle share of the step (recent steps) vs the 1F1B/GPipe theory (collective)."""
     stats = engine.stage_stats()
-    p, m = engine.plan.num_stages, engine.plan.num_micro_batch
-    theory = bubble_fraction(p, m)
+    p, m, v = engine.plan.num_stages, engine.plan.num_micro_batch, engine.plan.virtual_stages
+    theory = schedule_bubble(engine.plan.schedule, p, m, v)
     rows = [dict(stage=s["stage"], busy_s=s["busy"], step_s=s["step"], busy_share=s["busy"] / s["step"],
                  idle_share=1 - s["busy"] / s["step"], theory_idle=theory) for s in stats if s["step"]]
     if engine.rank == 0:
-        print(f"\nbubble report: {p} stage(s), {m} micro-batch(es), {args.schedule}; "
-              f"theory idle (p-1)/(m+p-1) = {theory:.3f}")
+        chunks = f" x {v} chunks" if v > 1 else ""
+        print(f"\nbubble report: {p} stage(s){chunks}, {m} micro-batch(es), {args.schedule}; "
+              f"theory idle (whale.plan.schedule.schedule_bubble) = {theory:.3f}")
         print(" stage  busy s/step  step s  busy share  idle share  theory idle")
         for r in rows:
             print(f" {r['stage']:>5}  {r['busy_s']:>11.3f}  {r['step_s']:>6.3f}  {r['busy_share']:>10.1%}"
@@ -268,12 +271,15 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None) -> None:
     """Train, evaluate, checkpoint, sample (see the module docstring)."""
     args = parse_args(argv)
+    bad = check_schedule_args(args)
+    if bad:
+        raise wh.ConfigError(bad)
     wall0 = time.time()
     ctx = wh.init(wh.Config(num_micro_batch=args.micro_batches, schedule=args.schedule, seed=args.seed,
                             cluster=args.cluster, precision=args.precision, zero=args.zero, offload=args.offload,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
                             track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid),
-                            timeout_s=args.timeout))
+                            timeout_s=args.timeout, virtual_stages=args.virtual_stages))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
@@ -293,6 +299,9 @@ def run(argv: list[str] | None = None) -> None:
     scalars = Scalars(args.tensorboard, ctx.rank)
     # done but its summary unwritten (stopped right after the final save): the summary from the checkpoint's history
     end = start if start >= args.steps else train(engine, args, batches, val_tokens, start, state, scalars)
+    if args.trace and end > start:  # collective: every rank's last step, written by rank 0
+        if wh.write_step_trace(engine, args.trace):
+            print(f"wrote the last step's trace to {args.trace} (open it in Perfetto or chrome://tracing)")
     full = engine.full_state_dict()
     state["optimizer_state_bytes"] = optimizer_state_bytes(engine)
     bubble = bubble_report(engine, args)

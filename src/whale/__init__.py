@@ -38,7 +38,7 @@ _LAZY = {
     "CheckpointError": "whale.runtime.ckpt_store", "latest_checkpoint": "whale.runtime.ckpt_store",
     "claim_checkpoint_dir": "whale.runtime.ckpt_runs",
     "NonFiniteError": "whale.runtime.nonfinite", "LossShapeError": "whale.runtime.nonfinite",
-    "report_error": "whale.runtime.failures",
+    "report_error": "whale.runtime.failures", "write_step_trace": "whale.runtime.trace",
 }
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
     "claim_checkpoint_dir",
     "cross_entropy", "init", "latest_checkpoint", "local_rows", "make_schedule", "memory_table", "moe_aux_loss",
     "parallelize", "plan_model", "register_split_rule", "replicate", "report_error", "set_default_strategy",
-    "split", "token_cross_entropy",
+    "split", "token_cross_entropy", "write_step_trace",
 ]
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
-from whale.plan.schedule import SCHEDULES, ScheduleName
+from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 
 NonFiniteName = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[NonFiniteName, ...] = ("raise", "skip")
@@ -63,7 +63,11 @@ class Config:
         num_micro_batch: micro-batches per mini-batch (>= 1). With several TaskGraphs they flow through the
             pipeline; with one they are gradient accumulation. The global batch must be a multiple of it.
         schedule: pipeline schedule, ``"1F1B"`` (backward-first, the default: bounded activation memory) or
-            ``"GPipe"`` (all forwards, then all backwards).
+            ``"GPipe"`` (all forwards, then all backwards), or ``"ZB-H1"`` (zero-bubble: the backward split into
+            input- and weight-gradient passes, the weight pass filling the bubble; 1F1B's peak memory), or
+            ``"Interleaved1F1B"`` with ``virtual_stages`` chunks per rank.
+        virtual_stages: model chunks per rank of the interleaved schedule (Narayanan et al. SC'21 §2.2; 1
+            otherwise): the model's ``p * v`` TaskGraphs run chunk c of rank position r as TaskGraph ``c*p + r``.
         cluster: the cluster spec, a YAML file path or a :class:`whale.cluster.ClusterSpec`. ``None``: detected
             on GPUs, identical devices on CPU. ``whale launch --cluster`` sets it through ``WHALE_CLUSTER``.
         hardware_aware: when the cluster mixes device types, balance work by device capability (Whale paper,
@@ -159,6 +163,7 @@ class Config:
     timeout_s: float | None = None
     auto: bool = False
     nonfinite: NonFiniteName = "raise"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -168,8 +173,15 @@ class Config:
                 f"num_micro_batch={self.num_micro_batch} but it must be >= 1 "
                 "(1 = no pipelining / no gradient accumulation)"
             )
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        if self.schedule not in RUNNABLE_SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is unknown; choose one of {RUNNABLE_SCHEDULES}")
+        if not isinstance(self.virtual_stages, int) or isinstance(self.virtual_stages, bool) or \
+                self.virtual_stages < 1:
+            raise ConfigError(f"virtual_stages={self.virtual_stages!r} must be an int >= 1 (model chunks per rank)")
+        if (self.virtual_stages > 1) != (self.schedule == "Interleaved1F1B"):
+            raise ConfigError(f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: the "
+                              "interleaved schedule needs virtual_stages >= 2 and virtual_stages >= 2 needs "
+                              "schedule='Interleaved1F1B'; set both or neither")
         if self.capture not in ("auto", "export", "fx"):
             raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):

@@ -31,7 +31,7 @@ from whale.moe import check_aux_stages, with_moe_layers
 from whale.plan.experts import expert_memory_counts
 from whale.plan.hardware import apply_hardware, is_heterogeneous
 from whale.plan.memory import MemoryOptions
-from whale.plan.plan import Plan
+from whale.plan.plan import Plan, PlanError
 from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
 from whale.plan.zero import with_zero_weights
 from whale.splitrules import check_split_plan
@@ -118,6 +118,9 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
     pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
     aware = cluster is not None and config.hardware_aware
+    if config.virtual_stages > 1 and (aware or layout is not None):
+        raise PlanError(f"virtual_stages={config.virtual_stages} (interleaved 1F1B) is planned on identical devices "
+                        "only: it cannot be combined with a cluster spec or Config(auto=True) yet; drop one of them")
     prof = layout.profile if layout is not None else \
         hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
     speed_cut = hwplan.UnitCut(layout.stage_of, layout.units) if layout is not None and layout.units else None
@@ -205,8 +208,11 @@ def _capture_spec(config, sample_batch) -> tuple:
     Raises:
         StageError: ``capture="export"`` without a sample batch.
     """
-    if config.capture == "fx" or (config.capture == "auto" and sample_batch is None):
-        return ()
+    if config.capture == "fx" or (config.capture == "auto" and (sample_batch is None or config.virtual_stages > 1)):
+        return ()  # interleaved chunks are fx graphs (whale.parallel.chunks merges their module trees)
+    if config.virtual_stages > 1:
+        raise StageError(f"virtual_stages={config.virtual_stages} cuts its chunks from a torch.fx capture; use "
+                         "Config(capture='fx') or 'auto'")
     if sample_batch is None:
         raise StageError("Config(capture='export') needs example inputs: pass sample_batch=(inputs, target) to "
                          "wh.parallelize / wh.plan_model (or use capture='fx')")

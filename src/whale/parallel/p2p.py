@@ -72,7 +72,7 @@ def _flagged(t: torch.Tensor | None, m: tuple, same: bool, device: torch.device)
 
 
 def send_values(values: tuple, dst: int, device: torch.device, expect: list | None = None,
-                previous: list | None = None) -> tuple[list, list]:
+                previous: list | None = None, tag: int = 0) -> tuple[list, list]:
     """Start sending ``values`` to global rank ``dst``; returns ``(pending works, description)`` (keep the works
     until done).
 
@@ -81,7 +81,8 @@ def send_values(values: tuple, dst: int, device: torch.device, expect: list | No
     the first tensor goes with a flag: "same description", and no header; or "changed" in a placeholder of
     ``previous``'s shapes, then the header. Otherwise the header goes first. With ``expect`` (the description
     sent for this step's first micro-batch) no header is sent: the receiver already posted the tensor
-    receives from that description (:class:`PendingRecv` with ``expect``).
+    receives from that description (:class:`PendingRecv` with ``expect``). ``tag``: the channel between the two
+    ranks (an interleaved pipeline's virtual stages share rank pairs; messages of one channel stay in order).
 
     Raises:
         TransferError: a value that cannot be sent, a description over the header's size, or values whose
@@ -92,7 +93,7 @@ def send_values(values: tuple, dst: int, device: torch.device, expect: list | No
     works, guessed = [], _tensor_metas(previous)
     if expect is None and guessed and meta == previous:  # the receiver posted these receives: no header
         first = _flagged(tensors[0], guessed[0], True, device)
-        works.append((dist.isend(first, dst), first))
+        works.append((dist.isend(first, dst, tag=tag), first))
         tensors = tensors[1:]
     elif expect is None:
         raw = pickle.dumps(meta)
@@ -101,24 +102,24 @@ def send_values(values: tuple, dst: int, device: torch.device, expect: list | No
                                 "pass fewer values across the stage boundary")
         if guessed:  # changed: the receiver's early receives take a "changed" flag and placeholders
             flag = _flagged(None, guessed[0], False, device)
-            works.append((dist.isend(flag, dst), flag))
-            works += _placeholders(guessed[1:], dst, device)
+            works.append((dist.isend(flag, dst, tag=tag), flag))
+            works += _placeholders(guessed[1:], dst, device, tag)
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=device)
         header[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        works.append((dist.isend(header, dst), header))
+        works.append((dist.isend(header, dst, tag=tag), header))
     elif meta != expect:
         raise TransferError(f"stage boundary values changed between micro-batches of one step ({expect} then "
                             f"{meta}); every micro-batch must pass values of the same shapes")
-    works += [(dist.isend(t, dst), t) for t in tensors]
+    works += [(dist.isend(t, dst, tag=tag), t) for t in tensors]
     return works, meta
 
 
-def _placeholders(meta: list, dst: int, device: torch.device) -> list:
+def _placeholders(meta: list, dst: int, device: torch.device, tag: int = 0) -> list:
     """Send one uninitialised tensor per tensor of ``meta`` (its shape and dtype) to ``dst``."""
     works = []
     for m in _tensor_metas(meta):
         t = torch.empty(m[1], dtype=m[2], device=device)
-        works.append((dist.isend(t, dst), t))
+        works.append((dist.isend(t, dst, tag=tag), t))
     return works
 
 
@@ -133,22 +134,23 @@ class PendingRecv:
     receives are posted at once and no header is awaited: one header per step at most, not per micro-batch.
     """
 
-    def __init__(self, src: int, device: torch.device, expect: list | None = None, guess: list | None = None) -> None:
-        self.src, self.device, self.expect, self.guess = src, device, expect, guess
+    def __init__(self, src: int, device: torch.device, expect: list | None = None, guess: list | None = None,
+                 tag: int = 0) -> None:
+        self.src, self.device, self.expect, self.guess, self.tag = src, device, expect, guess, tag
         self.flag = self.flag_work = None
         guessed = _tensor_metas(guess) if expect is None else []
         if guessed:
             self.flag = torch.empty(_nbytes(guessed[0]) + FLAG_BYTES, dtype=torch.uint8, device=device)
-            self.flag_work = dist.irecv(self.flag, src)
+            self.flag_work = dist.irecv(self.flag, src, tag=tag)
         early = expect if expect is not None else guessed[1:] if guessed else None
-        self.tensors = _post(early, src, device) if early is not None else None
+        self.tensors = _post(early, src, device, tag) if early is not None else None
 
     def _header(self) -> list:
         """Receive the header (posted now: the sender sent it) and post the tensors it describes."""
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        dist.irecv(header, self.src).wait()
+        dist.irecv(header, self.src, tag=self.tag).wait()
         meta = pickle.loads(header.cpu().numpy().tobytes())
-        self.tensors = _post(meta, self.src, self.device)
+        self.tensors = _post(meta, self.src, self.device, self.tag)
         return meta
 
     def wait(self) -> tuple[tuple, list]:
@@ -180,34 +182,34 @@ class PendingRecv:
         return tuple(out), meta
 
 
-def _post(meta: list, src: int, device: torch.device) -> list:
+def _post(meta: list, src: int, device: torch.device, tag: int = 0) -> list:
     out = []
     for m in meta:
         if m[0] == "t":
             t = torch.empty(m[1], dtype=m[2], device=device)
-            out.append((t, dist.irecv(t, src)))
+            out.append((t, dist.irecv(t, src, tag=tag)))
     return out
 
 
-def send_grads(inputs: tuple, dst: int) -> list:
+def send_grads(inputs: tuple, dst: int, tag: int = 0) -> list:
     """Send the gradients of the received inputs that require grad (zeros where autograd left none)."""
     works = []
     for v in inputs:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             g = v.grad if v.grad is not None else torch.zeros_like(v)
             g = g.contiguous()
-            works.append((dist.isend(g, dst), g))
+            works.append((dist.isend(g, dst, tag=tag), g))
     return works
 
 
-def post_grads(outputs: tuple, src: int) -> list:
+def post_grads(outputs: tuple, src: int, tag: int = 0) -> list:
     """Post the receives of one gradient per output tensor that requires grad, in order; pass the result to
     :func:`wait_grads`."""
     posted = []
     for v in outputs:
         if isinstance(v, torch.Tensor) and v.requires_grad:
             g = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous whatever the output's strides
-            posted.append((g, dist.irecv(g, src)))
+            posted.append((g, dist.irecv(g, src, tag=tag)))
     return posted
 
 

@@ -27,12 +27,32 @@ class StageLinks:
 
     Attributes:
         stage, num_stages: this stage's index and the pipeline depth.
+        chunks: model chunks on this rank (interleaved schedules; 1 otherwise), chunk c being virtual stage
+            ``c * num_stages + stage``.
+        wrap_from, wrap_to: interleaved only: the rank of this lane on the last stage (whose chunk c - 1 feeds
+            this rank's chunk c when this is stage 0) and on stage 0 (fed by this rank's chunk c when this is the
+            last stage); -1 otherwise.
 
     The neighbouring lanes (which can change with the batch size) come with each step's :class:`MicroBatches`.
     """
 
     stage: int
     num_stages: int
+    chunks: int = 1
+    wrap_from: int = -1
+    wrap_to: int = -1
+
+    def virtual(self, chunk: int) -> int:
+        """The virtual stage chunk ``chunk`` of this rank runs: ``chunk * num_stages + stage``."""
+        return chunk * self.num_stages + self.stage
+
+    def first(self, chunk: int) -> bool:
+        """True for the model's first chunk (takes the model's inputs)."""
+        return self.virtual(chunk) == 0
+
+    def last(self, chunk: int) -> bool:
+        """True for the model's last chunk (computes the loss)."""
+        return self.virtual(chunk) == self.chunks * self.num_stages - 1
 
     @property
     def is_first(self) -> bool:
@@ -100,10 +120,10 @@ class _InFlight:
     """Per-step state: activations awaiting backward, the posted receive of the next inputs, pending sends."""
 
     live: dict = field(default_factory=dict)
-    next_inputs: list[p2p.PendingRecv] | None = None
+    weights: dict = field(default_factory=dict)  # zero-bubble: per micro-batch, what its W pass differentiates
+    next_inputs: dict = field(default_factory=dict)  # per chunk, the posted receives of its next inputs
     sent_meta: dict = field(default_factory=dict)  # per receiver, this step's first transfer's description
     sends: list = field(default_factory=list)
-    recv_from: tuple = ()  # the lanes this step's inputs come from (their gradients go back to them)
     segment: tuple = (0.0, 0.0)
 
 
@@ -143,6 +163,7 @@ class StageExecutor:
     def __init__(self, module: torch.nn.Module, links: StageLinks, loss_fn: Callable, device: torch.device,
                  count_loss: bool = True, before_last_backward: Callable[[float], None] = lambda loss: None) -> None:
         self.module, self.links, self.loss_fn, self.device = module, links, loss_fn, device
+        self.modules = list(getattr(module, "chunks", [module]))  # one per chunk (whale.parallel.chunks)
         self.count_loss, self.before_last_backward = count_loss, before_last_backward
         self.emulator = None
         self.on_phase: Callable[[str], None] = lambda phase: None
@@ -150,20 +171,26 @@ class StageExecutor:
         self.precision = None
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
-        """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result."""
-        result, state = StepResult(), _InFlight(recv_from=work.recv_from)
-        m = len(work.scales)
+        """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result.
+
+        With ``W`` actions among them (zero-bubble) each ``B`` computes only the gradients of the stage's inputs
+        and its ``W`` those of the parameters (:meth:`_weight`). Gradient sync is armed right before the last
+        action that accumulates parameter gradients (the last ``W``, else the last ``B``)."""
+        result, state = StepResult(), _InFlight()
+        split = any(a.kind == "W" for a in actions)
+        arm_at = max((i for i, a in enumerate(actions) if a.kind == ("W" if split else "B")), default=-1)
         t0 = time.perf_counter()
-        for a in actions:
+        for i, a in enumerate(actions):
             begin = time.perf_counter()
-            self.on_phase(f"{'forward' if train else 'eval forward'} micro-batch {a.mb}" if a.kind == "F"
-                          else f"backward micro-batch {a.mb}")
+            self.on_phase(_phase(a, train))
             if a.kind == "F":
-                self._forward(a.mb, work, train, state, result)
-            elif train:
-                self._backward(a.mb, a.mb == m - 1, state, result)
-            else:
+                self._forward(a.mb, a.chunk, work, train, state, result)
+            elif not train:
                 continue
+            elif a.kind == "B":
+                self._backward((a.chunk, a.mb), i == arm_at, state, result, split)
+            else:
+                self._weight((a.chunk, a.mb), i == arm_at, state, result)
             c0, c1 = state.segment
             result.timeline.append((str(a), begin - t0, c0 - t0, c1 - t0))
             state.sends = [(w, b) for w, b in state.sends if not _reaped(w)]
@@ -172,43 +199,61 @@ class StageExecutor:
             work_item.wait()
         return result
 
-    def _receive(self, mb: int, work: MicroBatches, state: _InFlight) -> list[tuple]:
+    def _peers(self, chunk: int, work: MicroBatches) -> tuple[tuple, tuple]:
+        """``(receive from, send to)`` of one chunk: the step's batch-bridge peers, or across the interleaved
+        wrap-around (last stage to stage 0) this lane's rank on the other end, all rows."""
+        links, wrap = self.links, lambda rank: (Peer(rank, 0, work.rows),)
+        recv = work.recv_from if links.stage > 0 else wrap(links.wrap_from) if chunk > 0 else ()
+        send = work.send_to if not links.is_last else wrap(links.wrap_to) if chunk < links.chunks - 1 else ()
+        return recv, send
+
+    def _tag(self, virtual: int, grad: bool) -> int:
+        """The p2p channel of transfers INTO virtual stage ``virtual`` (activations) or back to it (``grad``):
+        0 with one chunk per rank, else one channel per virtual stage and direction."""
+        return 0 if self.links.chunks == 1 else 2 * virtual + int(grad)
+
+    def _receive(self, mb: int, chunk: int, peers: tuple, work: MicroBatches, state: _InFlight) -> list[tuple]:
         """This micro-batch's pieces from every sending lane (in row order); posts the next receives. A step's
         first receive from a lane is posted from that lane's previous first description (``guess``), so no
         header is needed while it stays the same."""
-        guesses = self._first_meta["received"]
-        pending = state.next_inputs or [p2p.PendingRecv(p.rank, self.device, guess=guesses.get(p.rank))
-                                        for p in work.recv_from]
+        guesses, tag = self._first_meta["received"], self._tag(self.links.virtual(chunk), False)
+        pending = state.next_inputs.get(chunk) or [
+            p2p.PendingRecv(p.rank, self.device, guess=guesses.get((p.rank, tag)), tag=tag) for p in peers]
         got = [p.wait() for p in pending]
         if mb == 0:
-            guesses.update({p.rank: meta for p, (_, meta) in zip(work.recv_from, got, strict=True)})
+            guesses.update({(p.rank, tag): meta for p, (_, meta) in zip(peers, got, strict=True)})
         more = mb + 1 < len(work.scales)
-        state.next_inputs = [p2p.PendingRecv(p.rank, self.device, meta)
-                             for p, (_, meta) in zip(work.recv_from, got, strict=True)] if more else None
+        state.next_inputs[chunk] = [p2p.PendingRecv(p.rank, self.device, meta, tag=tag)
+                                    for p, (_, meta) in zip(peers, got, strict=True)] if more else None
         return [values for values, _ in got]
 
-    def _forward(self, mb: int, work: MicroBatches, grad: bool, state: _InFlight, result: StepResult) -> None:
-        links = self.links
-        pieces = [] if links.is_first else self._receive(mb, work, state)
+    def _forward(self, mb: int, chunk: int, work: MicroBatches, grad: bool, state: _InFlight,
+                 result: StepResult) -> None:
+        links, (recv, send) = self.links, self._peers(chunk, work)
+        first, last = links.first(chunk), links.last(chunk)
+        pieces = [] if first else self._receive(mb, chunk, recv, work, state)
         start = self._clock()
+        module = self.modules[chunk]
         with torch.set_grad_enabled(grad):
-            given = work.inputs[mb] if links.is_first else join(pieces)  # pieces joined in the stage's graph
+            given = work.inputs[mb] if first else join(pieces)  # pieces joined in the stage's graph
             inputs = tuple(given.values()) if isinstance(given, dict) else _as_tuple(given)
             with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
-                out = self.module(**given) if isinstance(given, dict) else self.module(*inputs)
-            if links.is_last:
+                out = module(**given) if isinstance(given, dict) else module(*inputs)
+            if last:
                 out = self._loss(mb, out, work, result)
-        self._account(start, lambda: ("F" if grad else "f", bool(work.metric_fns), _shapes(inputs)), state, result)
-        outgoing = []
-        for peer in () if links.is_last else work.send_to:
+        self._account(start, lambda: ("F" if grad else "f", chunk, bool(work.metric_fns), _shapes(inputs)), state,
+                      result)
+        outgoing, to = [], links.virtual(chunk) + 1
+        for peer in () if last else send:
             values = slice_for(_as_tuple(out), peer, work.rows, work.bridged)
-            works, meta = p2p.send_values(values, peer.rank, self.device, state.sent_meta.get(peer.rank),
-                                          self._first_meta["sent"].get(peer.rank))
-            state.sent_meta[peer.rank] = self._first_meta["sent"][peer.rank] = meta
+            key = (peer.rank, self._tag(to, False))
+            works, meta = p2p.send_values(values, peer.rank, self.device, state.sent_meta.get(key),
+                                          self._first_meta["sent"].get(key), tag=key[1])
+            state.sent_meta[key] = self._first_meta["sent"][key] = meta
             state.sends += works
-            outgoing.append((values, p2p.post_grads(values, peer.rank) if grad else []))
+            outgoing.append((values, p2p.post_grads(values, peer.rank, self._tag(to - 1, True)) if grad else []))
         if grad:
-            state.live[mb] = (inputs, pieces, out, outgoing)
+            state.live[(chunk, mb)] = (inputs, pieces, out, outgoing, recv)
 
     def _loss(self, mb: int, out, work: MicroBatches, result: StepResult) -> torch.Tensor:
         if self.precision is not None:  # the loss in fp32, outside autocast
@@ -226,9 +271,12 @@ class StageExecutor:
                 fn(out, work.targets[mb])
         return loss
 
-    def _backward(self, mb: int, last: bool, state: _InFlight, result: StepResult) -> None:
-        inputs, pieces, out, outgoing = state.live.pop(mb)
-        if self.links.is_last:
+    def _backward(self, key: tuple[int, int], last: bool, state: _InFlight, result: StepResult,
+                  split: bool = False) -> None:
+        """The backward of ``key = (chunk, micro-batch)``; with ``split`` only the gradients of the received
+        inputs (``torch.autograd.grad`` on them, keeping the graph for the W pass), parameters untouched."""
+        inputs, pieces, out, outgoing, recv = state.live[key] if split else state.live.pop(key)
+        if self.links.last(key[0]):
             tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
             tensors, grads = [], []
@@ -238,11 +286,33 @@ class StageExecutor:
         if last:
             self.before_last_backward(result.loss_sum)
         start = self._clock()
-        if tensors:
+        if split:
+            leaves = [v for piece in pieces for v in piece if isinstance(v, torch.Tensor) and v.requires_grad]
+            if tensors and leaves:
+                for leaf, g in zip(leaves, torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
+                                                               allow_unused=True), strict=True):
+                    leaf.grad = g  # None: unused, sent as zeros
+            state.weights[key] = (tensors, grads)
+        elif tensors:
             torch.autograd.backward(tensors, grads)
-        self._account(start, lambda: ("B", _shapes(inputs)), state, result)
-        for peer, piece in zip(state.recv_from, pieces, strict=True):
-            state.sends += p2p.send_grads(piece, peer.rank)
+        self._account(start, lambda: ("Bi" if split else "B", key[0], _shapes(inputs)), state, result)
+        back = self._tag(self.links.virtual(key[0]) - 1, True)
+        for peer, piece in zip(recv, pieces, strict=True):
+            state.sends += p2p.send_grads(piece, peer.rank, back)
+
+    def _weight(self, key: tuple[int, int], last: bool, state: _InFlight, result: StepResult) -> None:
+        """Zero-bubble W pass of ``key = (chunk, micro-batch)``: the parameters' gradients from the same outputs
+        and output gradients as its B pass (``torch.autograd.backward`` with ``inputs=`` the parameters, which
+        accumulates into ``.grad`` exactly as the plain backward; the graph is freed after it)."""
+        inputs = state.live.pop(key)[0]
+        tensors, grads = state.weights.pop(key)
+        if last:
+            self.before_last_backward(result.loss_sum)
+        start = self._clock()
+        params = [p for p in self.modules[key[0]].parameters() if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, grads, inputs=params)
+        self._account(start, lambda: ("W", key[0], _shapes(inputs)), state, result)
 
     def _clock(self) -> tuple[float, float]:
         """Wall time, and this thread's CPU time when emulating (0.0 otherwise: not needed)."""
@@ -259,6 +329,12 @@ class StageExecutor:
         end = time.perf_counter()
         result.busy += end - wall0
         state.segment = (wall0, end)
+
+
+def _phase(a: Action, train: bool) -> str:
+    """The heartbeat's name of an action: "forward micro-batch 3", "weight-gradient micro-batch 0", ..."""
+    what = {"F": "forward" if train else "eval forward", "B": "backward", "W": "weight-gradient"}[a.kind]
+    return f"{what} micro-batch {a.mb}" + (f" of chunk {a.chunk}" if a.chunk else "")
 
 
 def _reaped(work) -> bool:

@@ -15,6 +15,7 @@ from torch import fx, nn
 
 from whale.frontend.graph import StageError, compute_nodes, tensor_names
 from whale.frontend.stagecut import capture, stage_modules
+from whale.parallel.chunks import Chunks
 from whale.plan.plan import Plan
 
 _REPLAN = "the plan was made for another model (or another version of its code): re-plan it"
@@ -59,7 +60,9 @@ def _check_tensors(model: nn.Module, modules: list[fx.GraphModule], plan: Plan) 
             names, stages = holders.setdefault(id(tensor[name]), (set(), set()))
             names.add(name)
             stages.add(s)
-    tied = {(tuple(sorted(n)), tuple(sorted(st))) for n, st in holders.values() if len(st) > 1}
+    p = plan.num_stages  # an interleaved cut's chunk c runs on stage c % p
+    tied = {(tuple(sorted(n)), tuple(sorted({c % p for c in st}))) for n, st in holders.values()
+            if len({c % p for c in st}) > 1}
     planned = {(tuple(sorted(sp.names)), tuple(sorted(sp.stages))) for sp in plan.shared_params}
     if tied != planned:
         raise StageError(f"the model ties {sorted(tied) or 'no parameters'} across stages but the plan's "
@@ -86,11 +89,22 @@ def build_stage(model: nn.Module, plan: Plan, stage: int, prebuilt: tuple = ()) 
                          "whale.plan_model (or `whale plan --out`), which records the cut")
     if prebuilt:  # cut for this very plan by the front end in this process: checked by construction
         _check_size(model, plan)
-        return prebuilt[stage]
+        return _rank_module(list(prebuilt), plan, stage)
     cap = capture(model, plan.leaf_modules, plan.capture_inputs if plan.capture == "export" else ())
     stages = _check_nodes(model, cap.train, plan)
     home = {n: s for s, cut in enumerate(plan.stage_cuts) for n in (*cut.params, *cut.buffers)}
-    modules = stage_modules(model, cap, stages, plan.num_stages, home)
+    modules = stage_modules(model, cap, stages, plan.num_chunks, home)
     _check_tensors(model, modules, plan)
     _check_size(model, plan)
-    return modules[stage]
+    return _rank_module(modules, plan, stage)
+
+
+def _rank_module(modules: list[nn.Module], plan: Plan, stage: int) -> nn.Module:
+    """Stage ``stage``'s module: the cut's module, or under an interleaved plan its chunks ``stage, stage + p,
+    ...`` as one :class:`~whale.parallel.chunks.Chunks`."""
+    if plan.virtual_stages == 1:
+        return modules[stage]
+    if plan.capture == "export":
+        raise StageError(f"virtual_stages={plan.virtual_stages} runs torch.fx chunks, but the plan was captured "
+                         "with torch.export; re-plan it with Config(capture='fx')")
+    return Chunks(modules[stage::plan.num_stages])

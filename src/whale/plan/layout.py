@@ -37,8 +37,14 @@ class PlanLayout:
 
     @property
     def num_stages(self) -> int:
-        """Number of pipeline stages (= TaskGraphs, or 1 when they are colocated)."""
-        return 1 if self.colocated else len(self.task_graphs)
+        """Number of pipeline stages (rank positions): TaskGraphs / ``virtual_stages``, or 1 when colocated."""
+        return 1 if self.colocated else len(self.task_graphs) // self.virtual_stages
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks of the pipeline (= stage cuts): ``num_stages * virtual_stages``; chunk c runs on the
+        ranks of stage ``c % num_stages``."""
+        return self.num_stages * self.virtual_stages
 
     @property
     def stage_widths(self) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ from whale.plan.checks import (
     _seq,
 )
 from whale.plan.layout import PlanLayout
-from whale.plan.schedule import SCHEDULES, ScheduleName
+from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 from whale.plan.validation import PlanChecks
 
 Kind = Literal["replicate", "split"]
@@ -181,7 +181,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         task_graphs: TaskGraphs in model order; with several (not colocated) each one is a pipeline stage.
         num_replicas: K, the nested data-parallel degree (whole pipeline copied K times).
         num_micro_batch: micro-batches per mini-batch.
-        schedule: ``"1F1B"`` or ``"GPipe"``.
+        schedule: ``"1F1B"``, ``"GPipe"`` or ``"ZB-H1"`` (:data:`whale.plan.schedule.RUNNABLE_SCHEDULES`).
         lane_weights: relative batch load of each lane (len = K * n) when every stage has the same width n;
             batch rows are apportioned exactly. Empty when the stages have different widths.
         shared_params: parameters held by several stages (tied weights).
@@ -218,6 +218,9 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
             updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
             between steps); see :mod:`whale.runtime.offload`.
+        virtual_stages: model chunks per rank (``"Interleaved1F1B"``; 1 otherwise): the ``p * v`` TaskGraphs
+            and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
+            ``shared_params`` then name pipeline stages (rank positions).
     """
 
     world_size: int
@@ -245,6 +248,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     predicted_memory: tuple[float, ...] = ()
     offload: OffloadName = "none"
     moe_layers: tuple[MoELayer, ...] = ()
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -257,7 +261,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
 
     def stage_task_graphs(self, stage: int) -> tuple[TaskGraph, ...]:
         """TaskGraphs run by a stage (all of them when colocated)."""
-        return self.task_graphs if self.colocated else (self.task_graphs[stage],)
+        return self.task_graphs if self.colocated else self.task_graphs[stage::self.num_stages]
 
     def split_targets(self, stage: int) -> list[tuple[str, tuple[float, ...]]]:
         """``(module FQN, shard weights)`` of every module a stage runs under ``split`` (top-level or nested)."""
@@ -351,7 +355,8 @@ _FIELDS: dict[type, dict[str, Check]] = {
     MoELayer: {"module": _STR, "num_experts": _int(1), "top_k": _int(1), "expert_params": _int(0)},
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
-           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(SCHEDULES), "lane_weights": _POS,
+           "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(RUNNABLE_SCHEDULES),
+           "virtual_stages": _int(1), "lane_weights": _POS,
            "stage_lane_weights": _seq(_POS, "lists of numbers > 0"),
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,

@@ -122,7 +122,14 @@ def make_plan(
     if not tgs:
         raise PlanError("the model has no TaskGraphs (no parameters?)")
     colocated = is_colocated(tgs, config.num_micro_batch)
-    counts, k = resolve_device_counts(tgs, world_size, colocated)
+    v = config.virtual_stages
+    if v > 1 and (colocated or len(tgs) % v or len(tgs) < 2 * v):
+        raise PlanError(f"virtual_stages={v} runs {v} chunks per pipeline stage, but the model has {len(tgs)} stage "
+                        f"scope(s); annotate p * {v} scopes for p >= 2 stages (e.g. {2 * v}), or use virtual_stages=1")
+    p = len(tgs) // v
+    counts, k = resolve_device_counts(tgs[:p], world_size, colocated)
+    counts = [counts[c % p] for c in range(len(tgs))]  # chunk c runs on the devices of stage c % p
+    shared_params = _stage_ties(shared_params, p) if v > 1 else shared_params
     _check_nested(tgs, counts)
     lane_weights, stage_lane_weights = _lane_weights(config, counts, k, colocated)
     task_graphs = tuple(TaskGraph(i, tg.kind, c, tg.modules, tg.num_params, tg.nested)
@@ -142,7 +149,19 @@ def make_plan(
         zero=config.zero,
         precision=config.precision,
         offload=config.offload,
+        virtual_stages=v,
     )
+
+
+def _stage_ties(shared: tuple[SharedParam, ...], stages: int) -> tuple[SharedParam, ...]:
+    """Ties across the chunks of an interleaved cut as ties across pipeline stages (chunk c on stage
+    ``c % stages``); a tie whose chunks all run on one stage is one tensor there, no tie."""
+    out = []
+    for sp in shared:
+        held = tuple(sorted({c % stages for c in sp.stages}))
+        if len(held) > 1:
+            out.append(SharedParam(sp.names, held))
+    return tuple(out)
 
 
 def _check_nested(tgs: list[TaskGraphSummary], counts: list[int]) -> None:

@@ -40,7 +40,9 @@ def _layout(plan: Plan) -> str:
 def _header(plan: Plan) -> str:
     mb = plan.num_micro_batch
     if plan.is_pipeline:
-        steps = f"{mb} micro-batch(es), schedule {plan.schedule}"
+        steps = f"{mb} micro-batch(es), schedule {plan.schedule}" + \
+            (f" with {plan.virtual_stages} chunks per stage (TaskGraph c on stage c % {plan.num_stages})"
+             if plan.virtual_stages > 1 else "")
     else:
         steps = f"{mb} micro-batches (gradient accumulation)" if mb > 1 else "1 micro-batch"
     dtype = "" if plan.precision == "fp32" else \
@@ -58,7 +60,7 @@ def _wrapped(prefix: str, names, width: int = 110) -> list[str]:
 
 
 def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
-    stage = 0 if plan.colocated else tg.index
+    stage = 0 if plan.colocated else tg.index % plan.num_stages  # interleaved: chunk c on stage c % p
     ranks = ",".join(map(str, plan.stage_ranks(stage)))
     lead = f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>12,}  "
     rows = _wrapped(lead, tg.modules)
@@ -90,7 +92,8 @@ def format_plan(plan: Plan) -> str:
         if cut.units:
             lines += _wrapped(f"stage {s} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
         else:
-            lines.append(f"stage {s} ({sizes}), cut as annotated")
+            what = f"chunk {s} (stage {s % plan.num_stages})" if plan.virtual_stages > 1 else f"stage {s}"
+            lines.append(f"{what} ({sizes}), cut as annotated")
     if plan.activation_checkpoint:
         lines += _wrapped("activation checkpointing (recomputed in backward): ", plan.activation_checkpoint)
     if plan.devices:

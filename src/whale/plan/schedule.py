@@ -1,15 +1,20 @@
-"""Pipeline schedules as data: one list of actions per stage, plus the formulas that follow from them.
+"""Pipeline schedules as data: one list of actions per stage (rank position), plus the formulas that follow.
 
-An action is ``F{m}`` (forward of micro-batch m) or ``B{m}`` (backward of m). Communication is implied:
-``F`` on stage s > 0 first receives its inputs from stage s-1, ``F`` on s < S-1 then sends its outputs to
-s+1; ``B`` on s < S-1 first receives output gradients from s+1 and ``B`` on s > 0 then sends input gradients
-to s-1. Sends are asynchronous, receives block: :func:`validate` checks that a schedule cannot deadlock
-under these rules.
+An action is ``F{m}`` (forward of micro-batch m), ``B{m}`` (backward of m: the full backward, or under
+zero-bubble only the input-gradient pass) or ``W{m}`` (zero-bubble: the weight-gradient pass of m), each of one
+model *chunk* (``F{m}c{c}``; chunk 0 is printed bare). With ``v`` chunks per rank (interleaved schedules) chunk
+c of rank r runs virtual stage ``c*p + r`` of ``p*v`` (Narayanan et al. SC'21 §2.2); with one chunk the virtual
+stage is the rank. Communication is implied: ``F`` of virtual stage s > 0 first receives its inputs from s-1,
+``F`` of s < S-1 then sends its outputs to s+1; ``B`` of s < S-1 first receives output gradients from s+1 and
+``B`` of s > 0 then sends input gradients to s-1; ``W`` communicates nothing. Sends are asynchronous, receives
+block: :func:`validate` checks that a schedule cannot deadlock under these rules.
 
 Sources: GPipe (Huang et al., 2019) runs all forwards, then all backwards; 1F1B (PipeDream-Flush,
 Narayanan et al., 2021) runs ``S - s`` warm-up forwards on stage s, then alternates one forward and one
 backward, bounding in-flight micro-batches on stage s by ``S - s``. On equal stages both leave every stage idle
-for (p-1)/(m+p-1) of the step (p stages, m micro-batches): :func:`bubble_fraction`.
+for (p-1)/(m+p-1) of the step (p stages, m micro-batches): :func:`bubble_fraction`. Interleaved 1F1B
+(:func:`interleaved_1f1b`) and zero-bubble ZB-H1 (:func:`zb_h1`) are described at their builders;
+:func:`schedule_bubble` gives each schedule's formula.
 
 This module is pure data and arithmetic: it imports nothing from the runtime.
 """
@@ -19,11 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["1F1B", "GPipe"]
+ScheduleName = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZB-H1"]
 """Name of a pipeline schedule."""
 
 SCHEDULES: tuple[ScheduleName, ...] = ("1F1B", "GPipe")
-"""Every schedule Whale can build and run, the default first."""
+"""The schedules the planner searches over (and prices), the default first."""
+
+RUNNABLE_SCHEDULES: tuple[ScheduleName, ...] = ("1F1B", "GPipe", "Interleaved1F1B", "ZB-H1")
+"""Every schedule Whale can build and run: :data:`SCHEDULES`, interleaved 1F1B and zero-bubble ZB-H1."""
 
 
 class ScheduleError(ValueError):
@@ -32,13 +40,15 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of stage work: ``kind`` ``"F"`` or ``"B"`` for micro-batch ``mb``."""
+    """One unit of stage work: ``kind`` ``"F"``, ``"B"`` or ``"W"`` for micro-batch ``mb`` of model chunk
+    ``chunk`` (0 unless the schedule is interleaved)."""
 
     kind: str
     mb: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}"
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
 
 
 Schedule = list[list[Action]]
@@ -69,16 +79,121 @@ def one_f_one_b(num_stages: int, num_micro_batch: int) -> Schedule:
     return out
 
 
-def make_schedule(kind: str, num_stages: int, num_micro_batch: int) -> Schedule:
-    """Build the named schedule (one of :data:`SCHEDULES`) and validate it.
+def interleaved_1f1b(num_stages: int, num_micro_batch: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., SC'21 §2.2; the order of Megatron-LM's interleaved schedule): each
+    of the p ranks holds v chunks, chunk c of rank r being virtual stage ``c*p + r``. Forwards go through the
+    chunks in groups of p micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ..., then the
+    next p micro-batches), backwards likewise from the last chunk. Rank r warms up with
+    ``min(2*(p - r - 1) + (v - 1)*p, m*v)`` forwards, then alternates one forward and one backward, then drains.
+
+    On equal stages with free communication the bubble is ``(p-1)/(v*m)`` of the ideal step time: each rank
+    idles ``(p-1)`` chunk-forward-backward times, ``1/v`` of a 1F1B stage's (:func:`schedule_bubble`). Activation
+    memory on rank r peaks at ``min(2*(p-r-1) + (v-1)*p + 1, m*v)`` chunk micro-batches of ``1/v`` of the
+    rank's layers each (rank 0: about ``p + (p-1)/v`` stage micro-batches against 1F1B's p, the paper's
+    "slightly more memory"; :func:`in_flight_micro_batches`).
 
     Raises:
-        ScheduleError: an unknown name, or fewer than one stage or micro-batch.
+        ScheduleError: a count below 1, or ``m`` not a multiple of p (the micro-batches go through the chunks in
+            groups of p; Megatron-LM has the same rule), naming the value and the nearest valid counts.
     """
-    builders = {"1F1B": one_f_one_b, "GPipe": gpipe}
-    if kind not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {list(SCHEDULES)}")
-    sched = builders[kind](num_stages, num_micro_batch)
+    p, m, v = num_stages, num_micro_batch, virtual_stages
+    _check_sizes(p, m)
+    if v < 1:
+        raise ScheduleError(f"virtual_stages must be >= 1, got {v}")
+    if m % p:
+        lo, hi = max(p, m - m % p), m - m % p + p
+        raise ScheduleError(f"Interleaved1F1B needs num_micro_batch a multiple of the {p} pipeline stages, got {m}; "
+                            f"use {lo} or {hi} micro-batches")
+    total = m * v
+
+    def at(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        return (v - 1 - chunk if backward else chunk), group * p + within % p
+
+    out: Schedule = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        acts = [Action("F", *reversed(at(k, False))) for k in range(warm)]
+        for i in range(total - warm):
+            acts.append(Action("F", *reversed(at(warm + i, False))))
+            acts.append(Action("B", *reversed(at(i, True))))
+        acts += [Action("B", *reversed(at(k, True))) for k in range(total - warm, total)]
+        out.append(acts)
+    return out
+
+
+def zb_h1(num_stages: int, num_micro_batch: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3): the backward is split
+    into ``B`` (gradients of the stage's inputs, which the previous stage waits for) and ``W`` (gradients of its
+    weights, which nobody waits for). Stage s keeps 1F1B's order of F and B (``min(p - s, m)`` warm-up
+    forwards) and places each W where the rank would otherwise wait, as a unit-time list schedule
+    (F = B = W): a W runs when the next F/B is not ready, or when one more forward would hold more than p
+    micro-batches (F done, W not) — the peak activation memory of 1F1B (p micro-batches on stage 0), the
+    "H1" memory limit — and the remaining Ws close the step.
+
+    On equal stages with free communication, T_F = T_B = T_W and m >= p the bubble is ``(p-1)(T_F + T_B - T_W)``
+    per rank against 1F1B's ``(p-1)(T_F + T_B + T_W)``: a third (:func:`schedule_bubble`, which also gives
+    m < p). Memory: at most p
+    micro-batches' activations per stage (the W keeps those the weight gradient needs: a stage's inputs to
+    each linear layer, until its W).
+
+    Raises:
+        ScheduleError: a count below 1.
+    """
+    p, m = num_stages, num_micro_batch
+    _check_sizes(p, m)
+    order = [[a for a in acts] for acts in one_f_one_b(p, m)]  # the F/B order of each stage
+    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> unit time it ends
+    out: Schedule = [[] for _ in range(p)]
+    pos, clock, pending = [0] * p, [0] * p, [[] for _ in range(p)]
+    while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
+        s = min(range(p), key=lambda r: (clock[r] if pos[r] < len(order[r]) or pending[r] else 1 << 30, r))
+        act = order[s][pos[s]] if pos[s] < len(order[s]) else None
+        ready_at = _unit_ready(act, s, p, done) if act is not None else None
+        live = sum(1 for a in out[s] if a.kind == "F") - sum(1 for a in out[s] if a.kind == "W")
+        over = act is not None and act.kind == "F" and live >= p
+        if pending[s] and (act is None or over or ready_at is None or ready_at > clock[s]):
+            act = pending[s].pop(0)
+        elif ready_at is None:  # not ready and nothing to fill: jump to the next event
+            clock[s] = min(t for t in done.values() if t > clock[s]) if any(t > clock[s] for t in done.values()) \
+                else clock[s] + 1
+            continue
+        else:
+            clock[s] = max(clock[s], ready_at)
+            pos[s] += 1
+            if act.kind == "B":
+                pending[s].append(Action("W", act.mb))
+        clock[s] += 1
+        done[(s, act.kind, act.mb)] = clock[s]
+        out[s].append(act)
+    return out
+
+
+def _unit_ready(a: Action, s: int, p: int, done: dict) -> int | None:
+    """Unit time at which ``a`` of stage s can start (its input arrived), or None if not yet known."""
+    if a.kind == "F":
+        return 0 if s == 0 else done.get((s - 1, "F", a.mb))
+    return done.get((s, "F", a.mb)) if s == p - 1 else done.get((s + 1, "B", a.mb))
+
+
+def make_schedule(kind: str, num_stages: int, num_micro_batch: int, virtual_stages: int = 1) -> Schedule:
+    """Build the named schedule (one of :data:`RUNNABLE_SCHEDULES`) and validate it. ``virtual_stages``: chunks
+    per rank, ``Interleaved1F1B`` only (1 elsewhere).
+
+    Raises:
+        ScheduleError: an unknown name, fewer than one stage or micro-batch, ``virtual_stages`` other than 1
+            for a schedule without chunks, or the interleaved schedule's micro-batch rule.
+    """
+    if kind not in RUNNABLE_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {list(RUNNABLE_SCHEDULES)}")
+    if kind == "Interleaved1F1B":
+        sched = interleaved_1f1b(num_stages, num_micro_batch, virtual_stages)
+    elif virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} needs schedule 'Interleaved1F1B', not {kind!r}; "
+                            "use virtual_stages=1 or the interleaved schedule")
+    else:
+        sched = {"1F1B": one_f_one_b, "GPipe": gpipe, "ZB-H1": zb_h1}[kind](num_stages, num_micro_batch)
     validate(sched, num_micro_batch)
     return sched
 
@@ -88,46 +203,60 @@ def _check_sizes(num_stages: int, num_micro_batch: int) -> None:
         raise ScheduleError(f"need >= 1 stage and >= 1 micro-batch, got {num_stages} and {num_micro_batch}")
 
 
+def num_chunks(schedule: Schedule) -> int:
+    """Model chunks per rank (virtual stages per rank) a schedule runs: 1 + its largest chunk index."""
+    return 1 + max((a.chunk for acts in schedule for a in acts), default=0)
+
+
 def validate(schedule: Schedule, num_micro_batch: int) -> None:
-    """Check a schedule: each stage runs F and B of every micro-batch exactly once, F before B, and the
-    whole pipeline completes when receives block and sends do not (every send is matched by a receive).
+    """Check a schedule: each rank runs F and B of every (chunk, micro-batch) exactly once, W of each once or
+    never (then B is the full backward), F before B before W, and the whole pipeline completes when receives
+    block and sends do not (every send is matched by a receive).
 
     Raises:
         ScheduleError: naming the stage and the offending action, or the actions stuck in a deadlock.
     """
     for s, acts in enumerate(schedule):
-        for kind in "FB":
-            got = sorted(a.mb for a in acts if a.kind == kind)
-            if got != list(range(num_micro_batch)):
-                raise ScheduleError(f"stage {s}: {kind} actions cover micro-batches {got}, "
-                                    f"expected each of 0..{num_micro_batch - 1} once")
-        seen: set[int] = set()
+        for c in range(num_chunks(schedule)):
+            for kind in "FBW":
+                got = sorted(a.mb for a in acts if a.kind == kind and a.chunk == c)
+                if got != list(range(num_micro_batch)) and (kind != "W" or got):
+                    where = f" of chunk {c}" if c else ""
+                    raise ScheduleError(f"stage {s}: {kind} actions{where} cover micro-batches {got}, "
+                                        f"expected each of 0..{num_micro_batch - 1} once")
+        seen: set[tuple[str, int, int]] = set()
         for a in acts:
-            if a.kind == "F":
-                seen.add(a.mb)
-            elif a.mb not in seen:
-                raise ScheduleError(f"stage {s}: B{a.mb} comes before F{a.mb}")
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before is not None and (before, a.chunk, a.mb) not in seen:
+                raise ScheduleError(f"stage {s}: {a} comes before {Action(before, a.mb, a.chunk)}")
+            seen.add((a.kind, a.chunk, a.mb))
     _simulate_order(schedule)
 
 
-def _ready(schedule: Schedule, s: int, a: Action, done: set[tuple[int, str, int]]) -> bool:
-    last = len(schedule) - 1
+def _ready(p: int, last: int, s: int, a: Action, done: set[tuple[int, str, int]]) -> bool:
+    """Whether ``a`` of rank s (of p; ``last`` the last virtual stage) can run once ``done`` (keyed by virtual
+    stage) has run."""
+    vs = a.chunk * p + s
     if a.kind == "F":
-        return s == 0 or (s - 1, "F", a.mb) in done
-    return s == last or (s + 1, "B", a.mb) in done
+        return vs == 0 or (vs - 1, "F", a.mb) in done
+    if a.kind == "W":
+        return True  # after its own B on this rank (validate checks the order)
+    return vs == last or (vs + 1, "B", a.mb) in done
 
 
 def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """Run the schedule in lock-step rounds; return the global completion order or raise on deadlock."""
-    pos = [0] * len(schedule)
+    p = len(schedule)
+    last = p * num_chunks(schedule) - 1
+    pos = [0] * p
     done: set[tuple[int, str, int]] = set()
     order: list[tuple[int, Action]] = []
-    while any(p < len(acts) for p, acts in zip(pos, schedule, strict=True)):
+    while any(q < len(acts) for q, acts in zip(pos, schedule, strict=True)):
         progressed = False
         for s, acts in enumerate(schedule):
-            if pos[s] < len(acts) and _ready(schedule, s, acts[pos[s]], done):
+            if pos[s] < len(acts) and _ready(p, last, s, acts[pos[s]], done):
                 a = acts[pos[s]]
-                done.add((s, a.kind, a.mb))
+                done.add((a.chunk * p + s, a.kind, a.mb))
                 order.append((s, a))
                 pos[s] += 1
                 progressed = True
@@ -138,27 +267,39 @@ def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Largest number of micro-batches whose forward ran but whose backward has not (activation memory)."""
+    """Largest number of (chunk, micro-batch) forwards whose activations are held (activation memory): from the
+    F until the B, or until the W when the actions split the backward."""
+    free = "W" if any(a.kind == "W" for a in actions) else "B"
     live, peak = 0, 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1
+        live += 1 if a.kind == "F" else -1 if a.kind == free else 0
         peak = max(peak, live)
     return peak
 
 
 def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float = 0.0) -> dict:
-    """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch) and a fixed
-    P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy": [..], "idle_share": [..]}``.
+    """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch through the
+    whole stage, all its chunks) and a fixed P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy":
+    [..], "idle_share": [..], "events": [(stage, lane, label, mb, start, end)]}``.
 
-    With equal stages and ``comm = 0`` the idle share of every stage is :func:`bubble_fraction`. One lane of
-    :func:`simulate_lanes`.
+    With equal stages and ``comm = 0`` the idle share of every stage is :func:`schedule_bubble`. One lane of
+    :func:`simulate_lanes` (which says how chunks and split backwards share the costs).
     """
-    m = len(schedule[0]) // 2
+    m = sum(1 for a in schedule[0] if a.kind == "F" and a.chunk == 0)
     out = simulate_lanes(schedule, [[[f] * m] for f in fwd], [[[b] * m] for b in bwd],
                          [[comm] for _ in schedule])
     step = max(c for lanes in out["end"] for c in lanes)
     busy = [m * (fwd[s] + bwd[s]) for s in range(len(schedule))]
-    return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy]}
+    return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy], "events": out["events"]}
+
+
+def _action_cost(a: Action, chunks: int, split: bool, f: float, b: float) -> float:
+    """Seconds of one action from a stage's per-micro-batch forward ``f`` and backward ``b``: each of the
+    rank's chunks takes ``1/chunks`` of them; a split backward gives half to B and half to W (Qi et al. take
+    T_B = T_W)."""
+    if a.kind == "F":
+        return f / chunks
+    return b / chunks / (2 if split else 1)
 
 
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
@@ -167,51 +308,66 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
 
     Args:
         schedule: one action list per stage (every lane of a stage runs it).
-        fwd, bwd: ``[stage][lane][micro-batch]`` seconds of each forward / backward.
+        fwd, bwd: ``[stage][lane][micro-batch]`` seconds of each forward / backward through the whole stage (an
+            interleaved rank's chunks each take ``1/v`` of them; a split backward's B and W half each).
         comm: ``[stage][lane]`` seconds of one transfer from that lane across the boundary to stage + 1
-            (activations forward; the same for their gradients backward; ignored on the last stage).
-        peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane).
+            (activations forward; the same for their gradients backward; ignored on the last stage; the last
+            stage's value is the wrap-around transfer to stage 0 of an interleaved schedule).
+        peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane;
+            interleaved schedules need equal lanes and the default).
 
     A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
-    asynchronous), a backward likewise from stage + 1. Returns ``{"end": [stage][lane] seconds the schedule ends
-    on that rank, "busy": [stage][lane] compute seconds, "events": [(stage, lane, "F"|"B", mb, start, end)]}``.
+    asynchronous), a backward likewise from the next virtual stage, a W when its rank is free. Returns ``{"end":
+    [stage][lane] seconds the schedule ends on that rank, "busy": [stage][lane] compute seconds, "events":
+    [(stage, lane, label, mb, start, end)]}`` (label: the action, e.g. ``"F"``, ``"B"``, ``"W"``, ``"Fc1"``).
 
     Raises:
         ScheduleError: the schedule deadlocks; ValueError: a cost list of the wrong shape.
     """
     lanes = [len(f) for f in fwd]
-    if len(fwd) != len(schedule) or len(bwd) != len(schedule) or [len(b) for b in bwd] != lanes:
-        raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {len(schedule)} stages, got "
+    p, v = len(schedule), num_chunks(schedule)
+    if len(fwd) != p or len(bwd) != p or [len(b) for b in bwd] != lanes:
+        raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {p} stages, got "
                          f"{lanes} and {[len(b) for b in bwd]} lanes")
+    if v > 1 and (peers is not None or len(set(lanes)) > 1):
+        raise ValueError(f"an interleaved schedule needs the same lanes on every stage, got {lanes}")
     peers = peers or [[[j] for j in range(n)] for n in lanes]
-    feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [] for lane in range(lanes[s])]
-             for s in range(len(schedule))]
-    finish: dict[tuple[int, int, str, int], float] = {}
+    feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
+             for s in range(p)]
+    split = [any(a.kind == "W" for a in acts) for acts in schedule]
+    finish: dict[tuple[int, int, str, int], float] = {}  # (virtual stage, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []
     for s, a in _simulate_order(schedule):
+        vs = a.chunk * p + s
         for lane in range(lanes[s]):
             if a.kind == "F":
-                dep = max((finish[(s - 1, j, "F", a.mb)] + comm[s - 1][j] for j in feeds[s][lane]), default=0.0)
-                cost = fwd[s][lane][a.mb]
+                dep = max((finish[(vs - 1, j, "F", a.mb)] + comm[(s - 1) % p][j] for j in feeds[s][lane]),
+                          default=0.0) if vs else 0.0
+                cost = _action_cost(a, v, split[s], fwd[s][lane][a.mb], 0.0)
+            elif a.kind == "B":
+                dep = max((finish[(vs + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
+                    if vs < p * v - 1 else 0.0
+                cost = _action_cost(a, v, split[s], 0.0, bwd[s][lane][a.mb])
             else:
-                dep = max((finish[(s + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
-                    if s < len(schedule) - 1 else 0.0
-                cost = bwd[s][lane][a.mb]
+                dep, cost = 0.0, _action_cost(a, v, True, 0.0, bwd[s][lane][a.mb])
             start = max(clock[s][lane], dep)
             clock[s][lane] = start + cost
-            finish[(s, lane, a.kind, a.mb)] = clock[s][lane]
-            events.append((s, lane, a.kind, a.mb, start, clock[s][lane]))
+            finish[(vs, lane, a.kind, a.mb)] = clock[s][lane]
+            events.append((s, lane, a.kind + (f"c{a.chunk}" if a.chunk else ""), a.mb, start, clock[s][lane]))
     busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) for lane in range(n)] for s, n in enumerate(lanes)]
     return {"end": clock, "busy": busy, "events": events}
 
 
 def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int,
-                            schedule: ScheduleName = "1F1B") -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once.
+                            schedule: ScheduleName = "1F1B", virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once, in units of
+    one micro-batch through the whole stage.
 
     1F1B: min(S - s, m) (stage s runs S - s forwards before its first backward); GPipe: m (all forwards
-    first). This is :func:`max_in_flight` of the built schedule's stage, in closed form.
+    first); ZB-H1: min(S, m) on every stage (its memory limit: 1F1B's peak, held until each W);
+    Interleaved1F1B with v chunks: min(2(S - s - 1) + (v - 1)S + 1, m v) chunk micro-batches of 1/v of the
+    stage each. This is :func:`max_in_flight` of the built schedule's stage, in closed form.
 
     Raises:
         ValueError: ``stage`` outside ``[0, num_stages)``, a count below 1, or an unknown schedule; the
@@ -220,11 +376,16 @@ def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int,
     if num_stages < 1 or num_micro_batch < 1 or not 0 <= stage < num_stages:
         raise ValueError(f"need 0 <= stage < num_stages and counts >= 1, got stage={stage}, "
                          f"num_stages={num_stages}, num_micro_batch={num_micro_batch}")
+    p, m, v = num_stages, num_micro_batch, virtual_stages
     if schedule == "1F1B":
-        return min(num_stages - stage, num_micro_batch)
+        return min(p - stage, m)
     if schedule == "GPipe":
-        return num_micro_batch
-    raise ValueError(f"schedule {schedule!r} is unknown; choose one of {list(SCHEDULES)}")
+        return m
+    if schedule == "ZB-H1":
+        return min(p, m)
+    if schedule == "Interleaved1F1B":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+    raise ValueError(f"schedule {schedule!r} is unknown; choose one of {list(RUNNABLE_SCHEDULES)}")
 
 
 def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
@@ -236,6 +397,32 @@ def bubble_fraction(num_stages: int, num_micro_batch: int) -> float:
     """
     _check_sizes(num_stages, num_micro_batch)
     return (num_stages - 1) / (num_micro_batch + num_stages - 1)
+
+
+def schedule_bubble(kind: str, num_stages: int, num_micro_batch: int, virtual_stages: int = 1) -> float:
+    """Idle share of every rank in one step of schedule ``kind`` on equal stages with free communication, the
+    forward taking a third of a micro-batch's compute and the backward two thirds (``T_F = T_B = T_W`` once
+    the backward is split), p stages, m micro-batches, v chunks per rank:
+
+    - GPipe, 1F1B: (p-1)/(m+p-1) (:func:`bubble_fraction`);
+    - Interleaved1F1B: bubble time (p-1)/(v*m) of the ideal step (Narayanan et al. SC'21 §2.2), idle share
+      (p-1)/(v*m + p-1);
+    - ZB-H1: bubble time (p-1)(T_F + T_B - T_W) = (p-1) units against 3m units of compute when m >= p (Qi et al.
+      ICLR'24 §3), idle share (p-1)/(3m + p-1); with m < p too few Ws exist to fill it: p - 1 + (p - m) units.
+
+    Raises:
+        ScheduleError: fewer than one stage or micro-batch; an unknown schedule.
+    """
+    _check_sizes(num_stages, num_micro_batch)
+    p, m, v = num_stages, num_micro_batch, virtual_stages
+    if kind in ("1F1B", "GPipe"):
+        return bubble_fraction(p, m)
+    if kind == "Interleaved1F1B":
+        return (p - 1) / (v * m + p - 1)
+    if kind == "ZB-H1":
+        bubble = p - 1 + max(0, p - m)
+        return bubble / (3 * m + bubble)
+    raise ScheduleError(f"unknown schedule {kind!r}; choose one of {list(RUNNABLE_SCHEDULES)}")
 
 
 def format_schedule(schedule: Schedule) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 from whale.plan.checks import PlanError, _fail
+from whale.plan.schedule import ScheduleError, make_schedule
 
 _REPLAN = "re-plan with wh.plan_model (or `whale plan --out`) instead of editing which TaskGraph holds a module"
 
@@ -90,8 +91,9 @@ class PlanChecks:
                                 f"give one per {of[:-1]} (or [])")
 
     def _validate_cut(self) -> None:
-        if self.stage_cuts and len(self.stage_cuts) != self.num_stages:
-            raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_stages}")
+        if self.stage_cuts and len(self.stage_cuts) != self.num_chunks:
+            raise PlanError(f"stage_cuts lists {len(self.stage_cuts)} stages but the plan has {self.num_chunks}")
+        self._validate_virtual()
         self._validate_cut_modules()
         seen: dict[str, int] = {}
         for s, cut in enumerate(self.stage_cuts):
@@ -111,6 +113,30 @@ class PlanChecks:
             if not a or inner is not None:
                 _fail("activation_checkpoint", list(names), f"lists {a!r} " + (f"and {inner!r} inside it" if a
                       else "(the whole model)"), "list each module once, outermost only, never the root")
+
+    def _validate_virtual(self) -> None:
+        """Interleaved plans: whole chunks per stage, each chunk as wide as its stage, one width, no split."""
+        v, n = self.virtual_stages, len(self.task_graphs)
+        if v == 1:
+            return
+        if self.schedule != "Interleaved1F1B":
+            _fail("virtual_stages", v, f"needs schedule 'Interleaved1F1B', not {self.schedule!r}",
+                  "set schedule='Interleaved1F1B' or virtual_stages=1")
+        if self.colocated or n % v or n < 2 * v:
+            _fail("virtual_stages", v, f"must divide the {n} pipeline TaskGraphs into >= 2 stages of {v} chunks",
+                  f"annotate a multiple of {v} stage scopes (p * {v} for p stages)")
+        widths = [tg.device_count for tg in self.task_graphs]
+        if len(set(widths)) > 1 or any(tg.has_split for tg in self.task_graphs):
+            _fail("virtual_stages", v, f"runs chunks of one width and no split regions, but the TaskGraphs have "
+                  f"widths {widths}{' and split regions' if any(tg.has_split for tg in self.task_graphs) else ''}",
+                  "give every stage scope the same device count without split, or use the 1F1B schedule")
+        try:  # the schedule's own rules (micro-batches a multiple of the stages)
+            make_schedule(self.schedule, n // v, self.num_micro_batch, v)
+        except ScheduleError as exc:
+            raise PlanError(str(exc)) from None
+        if self.zero >= 3:
+            _fail("zero", self.zero, f"gathers parameters around whole-stage calls, which the {v} chunks of an "
+                  "interleaved stage are not", "use zero=1 or 2 with virtual_stages > 1, or virtual_stages=1")
 
     def _validate_cut_modules(self) -> None:
         """A pipeline's TaskGraph s lists modules whose tensors stage s's cut holds: a module listed under

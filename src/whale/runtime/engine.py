@@ -46,6 +46,14 @@ from whale.runtime.stats import StepHistory, StepTiming
 from whale.runtime.update import GradientUpdate
 
 
+def _links(plan: Plan, stage: int, lane: int) -> StageLinks:
+    """This rank's place in the pipeline; interleaved plans add the wrap-around peers of its lane."""
+    if plan.virtual_stages == 1:
+        return StageLinks(stage, plan.num_stages)
+    return StageLinks(stage, plan.num_stages, plan.virtual_stages, plan.rank_of(plan.num_stages - 1, lane),
+                      plan.rank_of(0, lane))
+
+
 class Engine(GradientUpdate):
     """Runs training steps of one rank's stage under a plan. Made by :func:`whale.parallelize`.
 
@@ -75,6 +83,9 @@ class Engine(GradientUpdate):
             (the optimizer's groups then hold host masters).
         stage, lane: this rank's pipeline stage and data-parallel lane.
         last_timeline: per action of the latest step, ``(label, start, compute_start, compute_end)`` seconds.
+        schedule: every stage's actions (:mod:`whale.plan.schedule`); this rank runs ``schedule[stage]``.
+        last_phases, last_step_wall: the latest step's gradient sync and optimizer ``(name, start, end)`` and its
+            wall-clock start (:func:`whale.runtime.trace.write_step_trace` writes the step as a Chrome trace).
 
     Raises:
         StageError: the model does not match the plan's stage cut.
@@ -93,11 +104,15 @@ class Engine(GradientUpdate):
         self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.actions = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)[self.stage]
+        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch,
+                                      plan.virtual_stages)  # every stage's actions
+        self.actions = self.schedule[self.stage]
         self.steps_done = 0
         self.run_id: str | None = None  # the checkpoint run (ckpt_runs): made at the first save, adopted by a load
         self.history = StepHistory()
         self.last_timeline: list = []
+        self.last_phases: list = []  # (name, start, end) s from the schedule's start: gradient sync, optimizer
+        self.last_step_wall = 0.0  # wall-clock time (time.time()) the latest step's schedule started
         full_params = {id(p) for p in model.parameters()}  # before split modules replace their full parameters
         stage_module = build_stage(model, plan, self.stage, stages)  # checks the plan on every rank, no collective
         if plan.max_lanes > 1:
@@ -105,7 +120,8 @@ class Engine(GradientUpdate):
         self.mesh = Mesh(plan, ctx.rank, ctx.device.type)
         self.split = SplitRuntime(stage_module, plan, self.stage, self.mesh.split_group)
         self.module = self.split.module.to(ctx.device)
-        apply_checkpointing(self.module, plan.activation_checkpoint)  # recompute in backward (whale.memory)
+        for chunk in getattr(self.module, "chunks", [self.module]):  # interleaved: each chunk's graph
+            apply_checkpointing(chunk, plan.activation_checkpoint)  # recompute in backward (whale.memory)
         self.buffers = BufferSync(model, self.module, plan, self.mesh, self.split.regions)  # global BatchNorm
         groups = sync_sets(plan, self.module, self.mesh, self.split.params)
         broadcast_params(groups, {g: Mesh.source(g) for g, _ in groups if g is not None})
@@ -118,7 +134,7 @@ class Engine(GradientUpdate):
         owners = norm_owned_params(plan, self.module, self.mesh, self.split.params)
         self._norm_owner = self.zero.norm_params(owners) if self.zero is not None else owners
         self.nonfinite = nonfinite_guard(self, loss_fn)  # NaN/inf losses and gradients: runtime/nonfinite.py
-        self.executor = StageExecutor(self.module, StageLinks(self.stage, plan.num_stages), self.nonfinite.loss_fn,
+        self.executor = StageExecutor(self.module, _links(plan, self.stage, self.lane), self.nonfinite.loss_fn,
                                       ctx.device, self.split.counts_loss(plan, self.lane), self._arm)
         self.precision = MixedPrecision(plan.precision, ctx.device, ctx.config.loss_scale)  # runtime/precision.py
         self.executor.precision = self.precision if self.precision.dtype is not None else None
@@ -241,12 +257,17 @@ class Engine(GradientUpdate):
         before = self.grad_sync.bytes_reduced
         self.grad_sync.start_step()
         self.nonfinite.start()
+        wall, t0 = time.time(), time.perf_counter()
         result = self.executor.run(self.actions, work, train=True)
-        schedule_time = time.perf_counter() - start
+        t1 = time.perf_counter()
+        schedule_time = t1 - start
         heartbeat.beat("gradient sync")
         self.grad_sync.finish()  # every gradient collective is launched (in the same order on every rank) first
         heartbeat.beat("optimizer")
+        t2 = time.perf_counter()
         loss, norm, skipped = self._apply_gradients(result.loss_sum)
+        self.last_step_wall = wall
+        self.last_phases = [("gradient sync", t1 - t0, t2 - t0), ("optimizer", t2 - t0, time.perf_counter() - t0)]
         self.buffers.after_step()  # buffers equal on every lane (runtime/buffers.py)
         self.steps_done += 1
         heartbeat.beat("after the step (in the training script)")
