@@ -130,7 +130,7 @@ def predict_run(name: str, plan_json: str, cores: float, factors: list[float]) -
     from whale.frontend.hwplan import sample_rows
     from whale.frontend.simcost import model_costs
     from whale.plan.plan import Plan
-    from whale.plan.simulate import predict
+    from whale.planner.steptime.simulate import predict
 
     world, *_, ckey = RUNS[name]
     model, batch, loss = build(name, world)

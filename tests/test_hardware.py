@@ -8,8 +8,8 @@ import torch
 import whale as wh
 from tests.models import TinyLM
 from whale.cluster import ClusterSpec
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.hardware import MemoryModel, apply_hardware
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.hardware import MemoryModel, apply_hardware
 from whale.runtime.emulation import EmulatedDevice, emulation_cores, emulation_slowdown
 
 

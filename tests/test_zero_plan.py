@@ -14,7 +14,7 @@ from tests.models import TinyLM
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import ConfigError
 from whale.plan.plan import Plan, PlanError
-from whale.plan.zero import (
+from whale.planner.zero import (
     GRAD_BYTES,
     OPTIM_BYTES,
     PARAM_BYTES,

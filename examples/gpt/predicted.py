@@ -66,7 +66,7 @@ def _missing_fit(model, x: torch.Tensor, tracked: bool) -> str:
     """Which engine fit the cache lacks for this model (the job measures none without ``--calibrate-engine``):
     ``"engine calibration"`` (the machine's), ``"engine fit of this model"``, or ``""``."""
     from whale.frontend.calibrate import unit_keys
-    from whale.plan import calibration as cal
+    from whale.planner import calibration_cache as cal
 
     cached = cal.load(cal.machine_key())
     if cached is None or cached.engine is None or cached.engine.version != cal.ENGINE_VERSION:

@@ -221,7 +221,7 @@ class ClusterSpec:
         emulate: CPU ranks imitate their declared devices (:mod:`whale.runtime.emulation`); every report must say so.
         memory_scale: under emulation, memory capacity = declared memory x this factor (lets tests hit limits).
         inter_node_latency, intra_node_latency: seconds per message between nodes / inside a node (the cost
-            model's latency term, :mod:`whale.plan.cost`).
+            model's latency term, :mod:`whale.planner.steptime.cost`).
 
     Raises:
         ClusterError: no nodes, a bad bandwidth, latency or memory_scale.

@@ -14,9 +14,9 @@ import importlib
 import inspect
 import sys
 
-from whale.plan.memory import FORBIDDEN
 from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
+from whale.planner.memory import FORBIDDEN
 
 
 def _value(text: str):

@@ -1,4 +1,5 @@
-"""Measure the calibration of the step-time model on this machine (:class:`whale.plan.calibration.Calibration`).
+"""Measure the calibration of the step-time model on this machine
+(:class:`whale.planner.calibration_cache.Calibration`).
 
 - :func:`calibrate_units`: one real forward of the model on a few rows captures every layer unit's inputs (the
   units of :func:`whale.frontend.profile.default_units`); each unit type not yet cached is then timed alone,
@@ -26,8 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from whale.frontend.hwplan import profile, sample_rows
 from whale.frontend.profile import ModelProfile, default_units
-from whale.plan import calibration as cal
-from whale.plan.calibration import ENGINE_VERSION, Calibration, UnitTiming
+from whale.planner import calibration_cache as cal
+from whale.planner.calibration_cache import ENGINE_VERSION, Calibration, UnitTiming
 
 
 def progress(message: str) -> None:
@@ -128,7 +129,7 @@ def _fit(rows: list[int], times: list[tuple[float, float]], fwd_flops: float, bw
 
 def unit_keys(model: nn.Module, sample_batch, prof: ModelProfile | None = None, loss_fn=None,
               tracked: bool = False) -> dict[str, str]:
-    """Calibration key (:func:`whale.plan.calibration.unit_key`) of every profiled unit by name, ``"<rest>"``
+    """Calibration key (:func:`whale.planner.calibration_cache.unit_key`) of every profiled unit by name, ``"<rest>"``
     for the loss (``|tracked`` appended with ``tracked``)."""
     names = [u.name for u in (prof.units if prof else ())] or default_units(model)
     seen = _capture(model, names, _rows_of(sample_batch[0], 1, sample_rows(sample_batch)))
@@ -283,7 +284,7 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
 def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None, rows: int = 16,
                 comm: bool = True, save: bool = True, tracked: bool = False,
                 keys: dict[str, str] | None = None, measure_engine: bool = True) -> Calibration:
-    """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
+    """This machine's calibration: the cache's entry (:func:`whale.planner.calibration_cache.load`) completed with what
     is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
     communication costs and the engine fit (when ``comm``; spawn processes once:
     :func:`measure_comm`, :func:`whale.frontend.calibrate_engine.calibrate_engine`) and the optimizer. Saved back when

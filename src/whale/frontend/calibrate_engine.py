@@ -8,7 +8,7 @@ models of its own (:class:`CalibrationNet`: an embedding, ``nn.TransformerEncode
 the model being predicted), reads the engine's own per-segment CPU seconds (the emulator's,
 :meth:`whale.runtime.emulation.EmulatedDevice.segment_cpu_seconds`) and per-step times, and fits by least
 squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
-(:class:`whale.plan.calibration.EngineTiming`):
+(:class:`whale.planner.calibration_cache.EngineTiming`):
 
 - per direction, engine CPU seconds of a segment = ``scale x X + overhead``, X the isolated unit seconds of
   the same segment (:func:`whale.frontend.simcost.model_costs`): a line through 1-rank runs whose segments
@@ -18,7 +18,7 @@ squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
   dominates the small segments of deep pipelines with many micro-batches (a 4-stage GPT at 2 rows per
   micro-batch: X 0.7 ms, engine 1.8-2.4 ms). Per model (:func:`calibrate_model`), the scales are refit from
   the model's own 2-rank data-parallel runs with the machine's intercepts kept, and take precedence for that
-  model (:meth:`whale.plan.calibration.Calibration.for_model`);
+  model (:meth:`whale.planner.calibration_cache.Calibration.for_model`);
 - per micro-batch, the executor's time outside segments (``micro_batch_overhead``; a line in the micro-batch
   count, its intercept going to the per-step overhead);
 - per step, the time after the schedule beyond the isolated optimizer step (``step_overhead``);
@@ -37,7 +37,7 @@ import tempfile
 import torch
 from torch import nn
 
-from whale.plan.calibration import Calibration, EngineTiming, cache_path
+from whale.planner.calibration_cache import Calibration, EngineTiming, cache_path
 
 STRETCH = 8.0
 """``1 + slowdown`` of the stretched calibration runs (the benchmark's emulated ranks run at 8-32)."""
@@ -231,8 +231,8 @@ def _spawn(world: int, runs: list[tuple], timeout: float = 600.0, what: str = "e
 
 def _isolated(res: dict, calib: Calibration, sample=None, tracked: bool = False) -> tuple[float, float, int]:
     """``(X forward, X backward, split modules)``: the isolated unit seconds of one micro-batch of the run's
-    (single-stage) plan on one lane, as :func:`whale.plan.simulate.segment_seconds` sums them; ``sample``: the
-    run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
+    (single-stage) plan on one lane, as :func:`whale.planner.steptime.simulate.segment_seconds` sums them; ``sample``:
+    the run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
     the memory tracker."""
     from whale.frontend.simcost import model_costs
     from whale.plan.plan import Plan

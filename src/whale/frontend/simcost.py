@@ -1,4 +1,5 @@
-"""A model's stage costs for the step-time model: profile + calibration -> :class:`whale.plan.simulate.StageCost`.
+"""A model's stage costs for the step-time model: profile + calibration ->
+:class:`whale.planner.steptime.simulate.StageCost`.
 
 :func:`stage_costs` sums, per pipeline stage, the calibrated forward/backward seconds of the layer units the
 stage holds (units by the stage holding their parameters, the loss on the last stage), the bytes it sends to
@@ -13,9 +14,9 @@ from torch import nn
 from whale.cluster import ClusterSpec
 from whale.frontend import hwplan, memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
-from whale.plan.calibration import Calibration, UnitTiming, model_signature
 from whale.plan.plan import Plan
-from whale.plan.simulate import Prediction, StageCost, predict
+from whale.planner.calibration_cache import Calibration, UnitTiming, model_signature
+from whale.planner.steptime.simulate import Prediction, StageCost, predict
 
 
 def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
@@ -28,8 +29,8 @@ def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
 
 def layer_timings(prof: ModelProfile, keys: dict[str, str], calib: Calibration) -> list[UnitTiming]:
     """Per profiled unit, in forward order, its calibrated timing (:func:`_timing`), the work outside every
-    unit (``"<rest>"``: the loss) added to the last, as :func:`whale.plan.model_desc.from_profile` folds it:
-    the layer timings of :class:`whale.plan.calibrated.CalibratedEstimator`. Seconds on the calibration
+    unit (``"<rest>"``: the loss) added to the last, as :func:`whale.planner.model_desc.from_profile` folds it:
+    the layer timings of :class:`whale.planner.steptime.calibrated.CalibratedEstimator`. Seconds on the calibration
     machine."""
     out = [_timing(u, keys.get(u.name), calib) for u in prof.units]
     rest = _timing(prof.rest, keys.get("<rest>"), calib)
@@ -101,11 +102,11 @@ def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, clus
                   measure_engine: bool = True) -> Prediction:
     """Predict ``plan``'s step for ``model`` at the sample batch's size: profile (fake tensors), calibrate the
     unit types not cached yet (:func:`whale.frontend.calibrate.calibration`; a few seconds once per machine and
-    model shape), simulate (:func:`whale.plan.simulate.predict`) with per-rank memory.
+    model shape), simulate (:func:`whale.planner.steptime.simulate.predict`) with per-rank memory.
 
     Args:
         cores: CPU cores emulated ranks share (default: :func:`whale.runtime.emulation.emulation_cores`).
-        factors: per-rank speed factors overriding the cluster's (see :func:`whale.plan.simulate.predict`).
+        factors: per-rank speed factors overriding the cluster's (see :func:`whale.planner.steptime.simulate.predict`).
         tracked: the run measures memory with the CPU tracker (``Config.track_memory``; default: as the runtime's
             auto, on under an emulated cluster): units are timed under it too.
         measure_engine: measure the engine fits when not cached (minutes, once per machine and model);

@@ -4,8 +4,8 @@
 Layout. The stage's replicated parameters (those whose gradients :class:`~whale.parallel.data.GradSync` sums
 over the stage's lanes; not split shards, whose state is already cut) are bucketed by GradSync; each bucket's
 parameters become views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into
-contiguous lane ranges by :func:`whale.plan.zero.whole_shares` of the plan's ``zero_weights`` (sized by each
-device's free memory, :mod:`whale.plan.zero`). A lane owns its range of every bucket, so its share of the state
+contiguous lane ranges by :func:`whale.planner.zero.whole_shares` of the plan's ``zero_weights`` (sized by each
+device's free memory, :mod:`whale.planner.zero`). A lane owns its range of every bucket, so its share of the state
 is its weight's share. A parameter tied across stages (an input embedding and LM head) is summed over every
 rank of every stage holding it; its bucket is sliced over that group, each rank by its share of its own stage.
 A rank's *pieces*: one ``nn.Parameter`` per model parameter overlapping its ranges, a view of that part of the
@@ -49,7 +49,7 @@ from torch import nn
 
 from whale.parallel.data import GradSync, _Bucket
 from whale.plan.plan import Plan
-from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.planner.zero import whole_shares, zero_shard_weights
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)

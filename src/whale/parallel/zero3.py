@@ -1,6 +1,6 @@
 """ZeRO stage 3 over one pipeline stage's data-parallel lanes: parameters sharded, each *unit* gathered before
 its forward and its backward and freed after, with uneven, hardware-aware shards (Rajbhandari et al., "ZeRO",
-SC 2020; ZeRO-1/2 and the shard sizes: :mod:`whale.parallel.zero`, :mod:`whale.plan.zero`).
+SC 2020; ZeRO-1/2 and the shard sizes: :mod:`whale.parallel.zero`, :mod:`whale.planner.zero`).
 
 Units (what is gathered at once). Without a pipeline the stage module is the user's model: every repeated layer
 (each child of a ``ModuleList``/``Sequential`` that holds parameters, e.g. every transformer block:

@@ -11,7 +11,7 @@ from whale.parallel.data import GradSync
 from whale.parallel.zero import ShardedGradSync, ZeroShards, shard_buckets
 from whale.parallel.zero3 import Zero3Shards
 from whale.plan.plan import Plan
-from whale.plan.zero import zero_shard_weights
+from whale.planner.zero import zero_shard_weights
 
 
 class Zero3GradSync(ShardedGradSync):

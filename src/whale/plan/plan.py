@@ -120,7 +120,7 @@ class SharedParam(_Checked):
 @dataclass(frozen=True)
 class MoELayer(_Checked):
     """A Mixture-of-Experts layer (:class:`whale.MoE`) under ``split``: expert parallelism over the split group.
-    Its experts per device are ``whale.plan.experts.expert_counts(num_experts, shard weights of its split)``,
+    Its experts per device are ``whale.planner.experts.expert_counts(num_experts, shard weights of its split)``,
     derived from the plan, never stored twice.
 
     Attributes:
@@ -206,7 +206,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             1 optimizer state sharded, 2 also gradients (reduce-scatter), 3 also parameters (gathered per unit
             before use, freed after); see :mod:`whale.parallel.zero` and :mod:`whale.parallel.zero3`.
         zero_weights: with ``zero >= 1``, per stage the relative shard size of each of its lanes (numbers >= 0,
-            by lane index; empty = equal shards), sized by device memory (:mod:`whale.plan.zero`).
+            by lane index; empty = equal shards), sized by device memory (:mod:`whale.planner.zero`).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward

@@ -144,7 +144,7 @@ def _lane_rows(plan: Plan) -> list[str]:
 
 def _shard_rows(plan: Plan) -> list[str]:
     """Relative shard weights of each split over several devices (each sharded dim is cut into whole
-    elements by :func:`whale.plan.balance.whole_shares` of these weights)."""
+    elements by :func:`whale.planner.balance.whole_shares` of these weights)."""
     rows = []
     for tg in plan.task_graphs:
         for what, weights in [(f"TG {tg.index} split", tg.shard_weights)] + [
@@ -157,8 +157,8 @@ def _shard_rows(plan: Plan) -> list[str]:
 
 def _expert_rows(plan: Plan) -> list[str]:
     """Per MoE layer under split: experts per device of its split group (from the shard weights, as the runtime
-    cuts them: :func:`whale.plan.experts.expert_counts`)."""
-    from whale.plan.experts import expert_counts
+    cuts them: :func:`whale.planner.experts.expert_counts`)."""
+    from whale.planner.experts import expert_counts
 
     rows = []
     for layer in plan.moe_layers:

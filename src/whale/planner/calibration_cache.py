@@ -1,4 +1,4 @@
-"""Calibration data for the step-time model (:mod:`whale.plan.simulate`): measured, cached, pure to read.
+"""Calibration data for the step-time model (:mod:`whale.planner.steptime.simulate`): measured, cached, pure to read.
 
 FLOPs are not time: a large matmul (a GPT's LM head) runs at a higher fraction of peak than attention blocks or
 small layers, and layers with no counted FLOPs (norms, embeddings, the loss) still take time. A
@@ -29,7 +29,7 @@ class UnitTiming:
 
     Time of one call on ``rows`` samples = ``overhead + rows * per_row`` seconds, for forward (``fwd_*``) and
     backward (``bwd_*``). ``*_per_flop`` = per_row / FLOPs per sample (0 when the unit has no counted FLOPs):
-    the type's seconds per FLOP, the "efficiency" of :func:`whale.plan.cost.compute_time` as measured.
+    the type's seconds per FLOP, the "efficiency" of :func:`whale.planner.steptime.cost.compute_time` as measured.
     """
 
     fwd_per_row: float
@@ -101,7 +101,7 @@ class Calibration:
         units: :class:`UnitTiming` by :func:`unit_key`.
         p2p_latency, p2p_bandwidth: gloo point-to-point on localhost (one message: latency + bytes/bandwidth).
         allreduce_latency, allreduce_bandwidth: gloo all-reduce on localhost, per ring step and per byte sent
-            (fed to :func:`whale.plan.cost.ring_allreduce_time`).
+            (fed to :func:`whale.planner.steptime.cost.ring_allreduce_time`).
         optimizer_seconds_per_element: the optimizer step (AdamW, fp32) per parameter element on one thread.
         segment_overhead: seconds the runtime adds to each forward or backward segment beyond the units.
         step_overhead: seconds per step outside segments, communication and optimizer (bookkeeping).

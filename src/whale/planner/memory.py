@@ -54,11 +54,11 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from whale.plan.advice import Shortfall, infeasible_message, worst_rank
-from whale.plan.balance import InfeasiblePlanError
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
-from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.planner.advice import Shortfall, infeasible_message, worst_rank
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.zero import whole_shares, zero_shard_weights
 from whale.units import format_bytes
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -307,7 +307,7 @@ class MemoryChoice:
 @dataclass(frozen=True)
 class _Tried:
     """One combination tried: its step seconds (``inf``: not placed), plan, per-rank memory, shortfall lines,
-    and the worst rank's :class:`~whale.plan.advice.Shortfall` with its ratio of need to capacity."""
+    and the worst rank's :class:`~whale.planner.advice.Shortfall` with its ratio of need to capacity."""
 
     cost: float
     opt: MemoryOptions
@@ -349,13 +349,13 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
     fewer techniques. What the user set (``floor`` other than no techniques) is kept as is when it fits. With
     nothing set, the fastest fitting combination is chosen, so more memory never gives a slower plan (a
     combination relieving memory-bound shares can be faster than none). ``place(options)`` returns the plan
-    balanced for those options (rows and ZeRO shares within memory, :func:`whale.plan.fit.fit_shares`) or
+    balanced for those options (rows and ZeRO shares within memory, :func:`whale.planner.fit.fit_shares`) or
     raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations. ``names``: device name per rank and
     ``micro_batches``: the plan's, for the messages.
 
     Raises:
         InfeasiblePlanError: no allowed combination fits; names the closest one, its worst rank and device, the
-            bytes it needs and has, and the fixes that apply (:func:`whale.plan.advice.infeasible_message`).
+            bytes it needs and has, and the fixes that apply (:func:`whale.planner.advice.infeasible_message`).
     """
     tried = [_try(o, place, stages, global_batch, capacity, host_capacity, speeds, lane_bandwidth, names)
              for o in candidates(floor, forbid)]

@@ -1,0 +1,4 @@
+"""The planner: pure functions that choose a :class:`~whale.plan.plan.Plan` (shares and placement, memory options,
+experts, ZeRO sizing, the search, model descriptions) and the step-time model that ranks the choices
+(:mod:`whale.planner.steptime`). It imports the contract (:mod:`whale.plan`) and the bottom modules (cluster,
+config, units) and nothing above them; see ``tests/test_import_graph.py`` for the floors."""
