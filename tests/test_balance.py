@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from whale.plan.plan import PlanError
+from whale.plan.shares import whole_shares
 from whale.planner.balance import (
     InfeasiblePlanError,
     balance_batch,
     balance_shards,
     max_units,
-    whole_shares,
 )
 
 FAST = settings(max_examples=200, deadline=None)

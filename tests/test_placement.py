@@ -10,7 +10,8 @@ import random
 import pytest
 
 from whale.plan.schedule import in_flight_micro_batches
-from whale.planner.balance import InfeasiblePlanError, balance_batch, max_units, min_max_shares, whole_shares
+from whale.plan.shares import min_max_shares, whole_shares
+from whale.planner.balance import InfeasiblePlanError, balance_batch, max_units
 from whale.planner.partition import partition_layers, stage_times
 from whale.planner.placement import compositions, place_stages, placement_work
 

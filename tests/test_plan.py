@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import whale as wh
 from whale.plan.plan import NestedScope, Plan, PlanError, SharedParam, StageCut, TaskGraph
-from whale.planner.balance import whole_shares
+from whale.plan.shares import whole_shares
 from whale.planner.planner import TaskGraphSummary, make_plan
 
 

@@ -78,7 +78,7 @@ class Config:
             inside the engine's forward each lane and split shard draws from its own stream derived from it
             (:mod:`whale.runtime.rng`).
         load_shares: relative load of each data-parallel lane (one positive number per lane); ``None``: equal.
-            Whole samples follow them (:func:`whale.planner.balance.whole_shares`), so ``(5, 3)`` on a batch of 8
+            Whole samples follow them (:func:`whale.plan.shares.whole_shares`), so ``(5, 3)`` on a batch of 8
             gives 5 and 3 rows.
         bucket_cap_mb: gradient all-reduce bucket size, MiB (1 MiB = 2**20 bytes).
         backend: torch.distributed backend; ``None`` picks ``nccl`` when CUDA is available, else ``gloo``.

@@ -10,7 +10,7 @@ and the runtime agree.
 Units. A Llama attention is cut by whole key/value heads, each with the ``num_key_value_groups`` query heads that
 attend with it (grouped-query attention keeps its grouping on every shard); a GPT-2 attention by whole heads
 (self-attention only); a Llama or GPT-2 MLP by intermediate features. Shard sizes in units come from the split's
-shard weights by Whale's one apportionment (:func:`whale.planner.balance.whole_shares`: the slowest shard as
+shard weights by Whale's one apportionment (:func:`whale.plan.shares.whole_shares`: the slowest shard as
 fast as whole units allow, every shard at least one unit), so hardware-aware shares are rounded to whole
 key/value heads. Explicit element sizes (``shard_module(..., sizes=...)``) must be whole multiples of a unit;
 they are never rounded (that would silently change the split asked for): anything else is refused with
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from whale.planner.balance import whole_shares
+from whale.plan.shares import whole_shares
 from whale.splitrules import SplitError, _bound, _name, _register_builtin_check, _where
 
 __all__ = ["kv_heads", "unit_shards", "HF_TYPES"]

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from whale.planner.balance import whole_shares
+from whale.plan.shares import whole_shares
 
 comm_bytes: Counter = Counter()
 """Bytes this process handed to split collectives (result buffer sizes, see the module docstring), by kind:
@@ -54,7 +54,7 @@ def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> li
     """Whole shard sizes for cutting a dim of ``dim_size`` elements into ``n`` shards, adding up to ``dim_size``.
 
     Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) following them. Every
-    shard gets at least one element. Both by :func:`whale.planner.balance.whole_shares` (the shares minimizing
+    shard gets at least one element. Both by :func:`whale.plan.shares.whole_shares` (the shares minimizing
     the slowest shard's ``size / weight`` exactly, ties to the lower index).
 
     Raises:

@@ -4,7 +4,7 @@
 Layout. The stage's replicated parameters (those whose gradients :class:`~whale.parallel.data.GradSync` sums
 over the stage's lanes; not split shards, whose state is already cut) are bucketed by GradSync; each bucket's
 parameters become views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into
-contiguous lane ranges by :func:`whale.planner.zero.whole_shares` of the plan's ``zero_weights`` (sized by each
+contiguous lane ranges by :func:`whale.plan.shares.whole_shares` of the plan's ``zero_weights`` (sized by each
 device's free memory, :mod:`whale.planner.zero`). A lane owns its range of every bucket, so its share of the state
 is its weight's share. A parameter tied across stages (an input embedding and LM head) is summed over every
 rank of every stage holding it; its bucket is sliced over that group, each rank by its share of its own stage.
@@ -49,7 +49,8 @@ from torch import nn
 
 from whale.parallel.data import GradSync, _Bucket
 from whale.plan.plan import Plan
-from whale.planner.zero import whole_shares, zero_shard_weights
+from whale.plan.shares import whole_shares
+from whale.planner.zero import zero_shard_weights
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)

@@ -34,6 +34,7 @@ from whale.plan.checks import (
     _seq,
 )
 from whale.plan.layout import PlanLayout
+from whale.plan.printing import format_plan
 from whale.plan.schedule import SCHEDULES, ScheduleName
 from whale.plan.validation import PlanChecks
 
@@ -120,8 +121,8 @@ class SharedParam(_Checked):
 @dataclass(frozen=True)
 class MoELayer(_Checked):
     """A Mixture-of-Experts layer (:class:`whale.MoE`) under ``split``: expert parallelism over the split group.
-    Its experts per device are ``whale.planner.experts.expert_counts(num_experts, shard weights of its split)``,
-    derived from the plan, never stored twice.
+    Its experts per device are the whole units of its split's shard weights (at least one each,
+    :func:`whale.plan.shares.whole_shares`), derived from the plan, never stored twice.
 
     Attributes:
         module: the layer's FQN (a split target of some stage).
@@ -334,8 +335,6 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         return cls.from_dict(data)
 
     def __str__(self) -> str:
-        from whale.plan.printing import format_plan
-
         return format_plan(self)
 
 

@@ -6,7 +6,7 @@ the load-balancing loss drives routing towards), device i's expert time is ``c_i
 :func:`expert_counts` gives whole counts minimizing the slowest device, ``max_i c_i / speed_i``, exactly, with
 every device holding at least one expert (experts are not replicated) and, with memory given, each within its
 memory: ``mem_fixed_i + c_i * bytes_per_expert <= mem_capacity_i``. It is Whale's one apportionment
-(:func:`whale.planner.balance.min_max_shares`, exact for this min-max), so the counts equal the shard sizes the
+(:func:`whale.plan.shares.min_max_shares`, exact for this min-max), so the counts equal the shard sizes the
 runtime cuts the stacked expert tensors into (:func:`whale.parallel.split_ops.shard_sizes` of the plan's shard
 weights) -- the plan stores the weights, and printing and running derive the same counts from them.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from whale.plan.plan import Plan, PlanError
-from whale.planner.balance import InfeasiblePlanError, _balance, whole_shares
+from whale.plan.shares import whole_shares
+from whale.planner.balance import InfeasiblePlanError, _balance
 from whale.planner.steptime.cost import memory_per_device
 from whale.units import format_bytes
 
@@ -90,7 +91,7 @@ def expert_memory_counts(plan: Plan, capacity: list[float]) -> Plan:
     of a stage are placed in model order, each within what the earlier ones left (``mem_fixed``): a scope whose
     modules are all MoE layers of one expert count E gets :func:`expert_counts` of its shard weights within that
     memory (one expert slot holding that expert of every layer of the scope), and where those differ from the
-    weights' own counts its shard weights become the counts (:func:`whale.planner.balance.whole_shares` of counts
+    weights' own counts its shard weights become the counts (:func:`whale.plan.shares.whole_shares` of counts
     adding up to E gives back those counts, so running and printing derive them again); in a scope mixing MoE
     layers with other modules each layer is only checked, at its weights' counts.
 

@@ -15,7 +15,7 @@ fraction: each lane keeps room for them).
 
 - Without offload under ZeRO (``c = hb = 0``) a share only needs room. A lane's rows are bounded by its memory
   at ``f = 0``; the rows are the exact min-max of compute time within these bounds
-  (:func:`~whale.planner.balance.min_max_shares`); a stage's shares follow the room its lanes have left. They fit
+  (:func:`~whale.plan.shares.min_max_shares`); a stage's shares follow the room its lanes have left. They fit
   iff the stage's lanes together have room for the state, ``sum_l (capacity - a - p r_l) >= b``, the same for
   every split of the rows within the bounds, so the rows are free to follow speed. Exact.
 - With offload under ZeRO a share also costs time. Bisection on the step time ``T``: at ``T`` lane l with r rows
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
-from whale.planner.balance import InfeasiblePlanError, max_units, min_max_shares
+from whale.plan.shares import min_max_shares
+from whale.planner.balance import InfeasiblePlanError, max_units
 from whale.planner.hardware import predicted_utilization
 from whale.planner.memory import MemoryOptions, StageMemory, rank_memory, technique_seconds
 from whale.units import format_bytes

@@ -10,7 +10,7 @@ within its memory.
   :func:`whale.planner.balance.balance_batch`). Stages of different widths balance each stage's own lanes (each
   lane of a stage is one device; the batch bridge re-splits rows between stages).
 - Shard sizes (intra-TaskGraph, split): weights = the speed of the devices at each shard position (whole
-  elements by :func:`whale.planner.balance.whole_shares`).
+  elements by :func:`whale.plan.shares.whole_shares`).
 - Predicted utilization per rank: its compute time relative to the slowest rank.
 """
 
@@ -112,7 +112,7 @@ def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
     """Relative load per lane (stages of one width): the lane's bottleneck speed (the runtime cuts rows by it,
-    :func:`whale.planner.balance.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
+    :func:`whale.plan.shares.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
     (``memory.global_batch / num_micro_batch``), memory-constrained (exact min-max shares,
     :func:`whale.planner.balance.balance_batch`). Whole rows per micro-batch are what the runtime runs
     (:meth:`Plan.micro_batch_rows` cuts each micro-batch by these weights), so the shares the plan shows are the

@@ -56,9 +56,10 @@ from dataclasses import dataclass, field
 
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
+from whale.plan.shares import whole_shares
 from whale.planner.advice import Shortfall, infeasible_message, worst_rank
 from whale.planner.balance import InfeasiblePlanError
-from whale.planner.zero import whole_shares, zero_shard_weights
+from whale.planner.zero import zero_shard_weights
 from whale.units import format_bytes
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")

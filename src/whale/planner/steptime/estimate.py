@@ -38,7 +38,7 @@ import numpy as np
 from whale.cluster import ClusterSpec, DeviceType, memory_capacity
 from whale.memory.host import host_memory_capacity
 from whale.plan.schedule import in_flight_micro_batches, make_schedule, simulate
-from whale.planner.balance import proportional_shares
+from whale.plan.shares import proportional_shares
 from whale.planner.memory import (
     HOST_MEMORY_BANDWIDTH,
     PCIE_BANDWIDTH,
@@ -192,7 +192,7 @@ class DefaultEstimator:
 
     def _lane_rows_uncached(self, mix: tuple[int, ...], m: int, t: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         """Whole rows per lane of one micro-batch, proportional to lane speed (largest remainder,
-        :func:`whale.planner.balance.proportional_shares`); per type the most rows any of its lanes gets."""
+        :func:`whale.plan.shares.proportional_shares`); per type the most rows any of its lanes gets."""
         total = sum(n * self.pool.speed(k) for k, n in enumerate(mix))
         lanes = [k for k, n in enumerate(mix) for _ in range(n // t)]
         shares = proportional_shares(max(1, self.batch // m), [self.pool.speed(k) for k in lanes])
