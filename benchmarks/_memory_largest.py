@@ -77,7 +77,7 @@ def _try(ctx, spec, layers: int, stages: int, cfg: dict, forbid: tuple) -> dict:
 def ladder_worker(rank: int, world: int, cfg: dict) -> dict:
     """Every mode's ladder of depths in one process group (all ranks agree on every outcome)."""
     import whale as wh
-    from whale.planner.memory import FORBIDDEN
+    from whale.config import FORBIDDEN
 
     ctx = wh.init(wh.Config(num_micro_batch=cfg["micro_batches"], seed=0))
     spec = _spec(cfg["budget"], cfg.get("host_per_node"))

@@ -79,7 +79,7 @@ def _calibrate(cfg: dict) -> None:
     once, into the cache every rank's ``Config(auto=True)`` reads (:func:`whale.frontend.autoplan.estimator`);
     a few seconds the first time, nothing when cached."""
     from examples.gpt.model import GPT, GPTConfig
-    from whale.frontend.calibrate import calibration
+    from whale.calibration.measure import calibration
 
     gcfg = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4,
                      n_embd=cfg["embd"])

@@ -104,7 +104,7 @@ def test_auto_plan_uses_the_cached_calibration(tmp_path, monkeypatch):
     from tests.models import TinyLM, lm_batches, lm_loss
     from whale.frontend import hwplan
     from whale.frontend.autoplan import auto_layout, estimator
-    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.unit_keys import unit_keys
     from whale.planner import calibration_cache as cal
     from whale.planner.model_desc import from_profile
 

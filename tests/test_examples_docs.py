@@ -220,8 +220,8 @@ def test_first_calibration_says_what_it_measures_before_and_during_the_engine_ru
     """The real engine calibration (one spawned process) on 4 tiny one-rank runs instead of 18 (and none of the
     split runs): a line naming the work, the runs and the estimate first, then one line per run with the time
     left."""
-    from whale.frontend import calibrate_engine as ce
-    from whale.frontend.calibrate import calibration
+    from whale.calibration import engine as ce
+    from whale.calibration.measure import calibration
     from whale.planner.calibration_cache import Calibration, machine_key, save
 
     path = tmp_path / "cal.json"
@@ -301,7 +301,7 @@ def test_whale_simulate_prints_the_plan_before_the_prediction(tmp_path, monkeypa
     from examples.gpt.model import for_plan
     from whale.cli import main
     from whale.frontend import hwplan
-    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.unit_keys import unit_keys
     from whale.planner.calibration_cache import (
         Calibration,
         EngineTiming,

@@ -20,9 +20,9 @@ from whale.planner.memory import (
     plan_memory,
     rank_memory,
     shortfalls,
-    step_seconds,
 )
 from whale.planner.planner import TaskGraphSummary, make_plan
+from whale.planner.steptime.memory_time import step_seconds
 
 ALL = [MemoryOptions(c, z, o) for c, z, o in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS)]
 

@@ -135,7 +135,7 @@ def _gpt_signature() -> str:
     """The model signature of the CLI test's GPT (its engine fit is seeded: no processes are spawned)."""
     from examples.gpt.model import for_plan
     from whale.frontend import hwplan
-    from whale.frontend.calibrate import unit_keys
+    from whale.frontend.unit_keys import unit_keys
     from whale.planner.calibration_cache import model_signature
 
     model, batch, loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)

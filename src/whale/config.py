@@ -10,6 +10,10 @@ from typing import Any, Literal
 from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
 from whale.plan.schedule import SCHEDULES, ScheduleName
 
+FORBIDDEN = ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
+"""What ``Config.forbid`` may name: memory techniques the planner must not add on its own
+(:func:`whale.planner.memory.candidates`)."""
+
 NonFiniteName = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[NonFiniteName, ...] = ("raise", "skip")
 """What a training step does when a loss or gradient is NaN/inf (``Config.nonfinite``)."""
@@ -228,8 +232,6 @@ class Config:
 
 
 def _check_forbid(forbid: Any) -> None:
-    from whale.planner.memory import FORBIDDEN
-
     bad = [f for f in (forbid if isinstance(forbid, tuple | list) else [forbid]) if f not in FORBIDDEN]
     if bad or not isinstance(forbid, tuple | list):
         raise ConfigError(f"forbid={forbid!r}: {bad or forbid!r} cannot be forbidden; give a tuple of names among "

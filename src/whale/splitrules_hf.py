@@ -3,7 +3,7 @@ features) each module type cuts, how those units are shared out over a split gro
 
 Loaded lazily by :mod:`whale.splitrules` the first time a ``transformers`` module type is checked (so neither
 Whale nor ``whale plan`` imports ``transformers`` for other models), it imports nothing of Whale's above
-:mod:`whale.splitrules` and :mod:`whale.planner.balance` (planning must not import :mod:`whale.parallel`). The
+:mod:`whale.splitrules` and :mod:`whale.plan.shares` (planning must not import :mod:`whale.parallel`). The
 sharded modules themselves are in :mod:`whale.parallel.split_hf`, which uses the helpers below so that the plan
 and the runtime agree.
 
@@ -18,6 +18,8 @@ they are never rounded (that would silently change the split asked for): anythin
 """
 
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 
@@ -119,8 +121,6 @@ def _types() -> dict[str, tuple]:
 
 
 def _resolve(path: str) -> type | None:
-    import importlib
-
     mod, _, cls = path.partition(":")
     try:
         return getattr(importlib.import_module(mod), cls)

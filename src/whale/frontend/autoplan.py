@@ -18,16 +18,21 @@ from dataclasses import dataclass
 from torch import nn
 
 from whale.annotation import Scope, replicate
-from whale.cluster import ClusterSpec, homogeneous_cpu
+from whale.cluster import ClusterSpec, emulation_cores, homogeneous_cpu
 from whale.config import Config, ConfigError
 from whale.frontend import hwplan
 from whale.frontend.profile import ModelProfile, profile_model
+from whale.frontend.simcost import covers, layer_timings
 from whale.frontend.taskgraphs import task_graph_scopes
+from whale.frontend.unit_keys import unit_keys
+from whale.planner import calibration_cache as cal
 from whale.planner.memory import MemoryOptions
 from whale.planner.model_desc import ModelDesc, from_profile
 from whale.planner.planner import TaskGraphSummary, is_colocated
 from whale.planner.search import Constraints, SearchResult, enumerate_candidates, search
+from whale.planner.steptime.calibrated import CalibratedEstimator, type_factors
 from whale.planner.steptime.estimate import DefaultEstimator, DevicePool, pool_from_cluster
+from whale.planner.steptime.simulate import speed_factors
 
 
 @dataclass(frozen=True)
@@ -123,14 +128,7 @@ def estimator(model: nn.Module, prof: ModelProfile, desc: ModelDesc, pool: Devic
     this machine's cached calibration (:func:`whale.planner.calibration_cache.load`) holds every profiled unit of
     ``model`` (timed as the run will be: under the memory tracker when it tracks), else the datasheet
     :class:`DefaultEstimator`. Nothing is measured here: every rank reads the same cache, so all choose the
-    same plan (a calibration is made by ``whale simulate`` or :func:`whale.frontend.calibrate.calibration`)."""
-    from whale.frontend.calibrate import unit_keys
-    from whale.frontend.simcost import covers, layer_timings
-    from whale.planner import calibration_cache as cal
-    from whale.planner.steptime.calibrated import CalibratedEstimator, type_factors
-    from whale.planner.steptime.simulate import speed_factors
-    from whale.runtime.emulation import emulation_cores
-
+    same plan (a calibration is made by ``whale simulate`` or :func:`whale.calibration.measure.calibration`)."""
     default = DefaultEstimator(desc, pool, batch)
     calib = cal.load(cal.machine_key())
     if calib is None:

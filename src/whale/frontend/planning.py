@@ -21,6 +21,7 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.detect import detect_cluster
 from whale.frontend import hwplan, memplan
+from whale.frontend.autoplan import auto_layout
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError
 from whale.frontend.profile import default_units
@@ -100,8 +101,6 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     if not any(True for _ in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
     if config.auto:  # search the layout (whale.frontend.autoplan), then plan it like an annotated model
-        from whale.frontend.autoplan import auto_layout
-
         layout = auto_layout(model, world_size, config, sample_batch, cluster, loss_fn)
         plan, stages = _plan(model, world_size, layout.config, sample_batch, cluster, loss_fn, layout)
         return dataclasses.replace(plan, notes=plan.notes + layout.notes), stages

@@ -296,33 +296,6 @@ class ShardedGradSync(GradSync):
             self.zero.zero_grad()
 
 
-def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
-                    bucket_cap_mb: float, module: nn.Module | None = None) -> tuple[GradSync, ZeroShards | None]:
-    """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
-    re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
-    stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
-    rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
-    parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
-    split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
-    :func:`whale.parallel.zero3_sync.build_zero3` over the stage ``module`` instead.
-
-    Raises:
-        ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
-    """
-    if not plan.zero:
-        return GradSync(param_groups, bucket_cap_mb), None
-    check_optimizer(optimizer)
-    if plan.zero >= 3:
-        from whale.parallel.zero3_sync import build_zero3  # noqa: PLC0415 - zero3 builds on this module
-
-        return build_zero3(plan, param_groups, lanes_group, tied_groups, optimizer, bucket_cap_mb, module)
-    sync = ShardedGradSync(param_groups, bucket_cap_mb)
-    sync.zero = shard_buckets(plan, sync, lanes_group, tied_groups, {id(p) for p in param_groups[0][1]}, plan.zero)
-    if sync.zero is not None:
-        sync.zero.bind(optimizer)
-    return sync, sync.zero
-
-
 def shard_buckets(plan: Plan, sync: GradSync, lanes_group, tied_groups: list, own: set[int],
                   level: int) -> ZeroShards | None:
     """ZeRO-``level`` (1 or 2) shards of ``sync``'s buckets over the stage's lanes (``lanes_group``, only

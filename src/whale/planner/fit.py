@@ -3,7 +3,8 @@
 
 For pipeline stage s and lane l (rank ``plan.rank_of(s, l)``) under :class:`~whale.planner.memory.MemoryOptions`,
 :func:`~whale.planner.memory.rank_memory` is linear in the lane's rows ``r`` (per micro-batch) and in its share
-``f`` of the stage's ZeRO-sharded state, and so is the rank's time in :func:`~whale.planner.memory.step_seconds`::
+``f`` of the stage's ZeRO-sharded state, and so is the rank's time in
+:func:`~whale.planner.steptime.memory_time.step_seconds`::
 
     device bytes  a + b f + p r  <=  capacity        host bytes  ha + hb f  <=  host capacity
     seconds       r t + ring + c f                   (t = micro-batches x training FLOPs per sample / speed)
@@ -41,7 +42,8 @@ from whale.plan.schedule import in_flight_micro_batches
 from whale.plan.shares import min_max_shares
 from whale.planner.balance import InfeasiblePlanError, max_units
 from whale.planner.hardware import predicted_utilization
-from whale.planner.memory import MemoryOptions, StageMemory, rank_memory, technique_seconds
+from whale.planner.memory import MemoryOptions, StageMemory, rank_memory
+from whale.planner.steptime.memory_time import technique_seconds
 from whale.units import format_bytes
 
 

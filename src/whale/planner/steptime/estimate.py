@@ -19,7 +19,8 @@ Per stage s (layers ``stage_layers[s]``) on ``d`` lanes of ``t`` devices, a micr
 - after the last micro-batch, per stage: the gradient all-reduce over the d lanes
   (:func:`ring_allreduce_time`), the optimizer step (32 bytes of device memory traffic per element: read
   parameter, gradient and two moments, write three) and what the memory options add
-  (:func:`whale.planner.memory.technique_seconds`); the step ends when the slowest stage is done (no overlap);
+  (:func:`whale.planner.steptime.memory_time.technique_seconds`); the step ends when the slowest stage is done
+  (no overlap);
 - memory: :func:`whale.planner.memory.rank_memory` of the stage's per-device share (split layers' parameters
   and activations / t), the lane's rows and the schedule's micro-batches in flight.
 
@@ -39,18 +40,12 @@ from whale.cluster import ClusterSpec, DeviceType, memory_capacity
 from whale.memory.host import host_memory_capacity
 from whale.plan.schedule import in_flight_micro_batches, make_schedule, simulate
 from whale.plan.shares import proportional_shares
-from whale.planner.memory import (
-    HOST_MEMORY_BANDWIDTH,
-    PCIE_BANDWIDTH,
-    MemoryOptions,
-    StageMemory,
-    rank_memory,
-    technique_seconds,
-)
+from whale.planner.memory import MemoryOptions, StageMemory, rank_memory
 from whale.planner.model_desc import ModelDesc
 from whale.planner.partition import partition_layers, uniform_partition
-from whale.planner.search import Bound, Candidate, Estimate
+from whale.planner.search import Bound, Candidate, Constraints, Estimate, enumerate_candidates, search
 from whale.planner.steptime.cost import compute_time, p2p_time, ring_allgather_time, ring_allreduce_time
+from whale.planner.steptime.memory_time import HOST_MEMORY_BANDWIDTH, PCIE_BANDWIDTH, technique_seconds
 
 DEFAULT_LATENCY = 1e-5
 """Seconds per message step of a collective or a send when the cluster spec gives none (NCCL-class, ~10 us)."""
@@ -372,8 +367,6 @@ def plan_search(model: ModelDesc, pool: DevicePool, global_batch: int, constrain
 
     Raises:
         NoFeasiblePlanError: nothing fits; ValueError: an empty space."""
-    from whale.planner.search import Constraints, enumerate_candidates, search
-
     est = estimator or DefaultEstimator(model, pool, global_batch)
     base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch)
     cands = enumerate_candidates(len(model.layers), pool.counts, global_batch, constraints or Constraints(),

@@ -31,8 +31,9 @@ from whale.cluster import ClusterSpec, emulation_delays
 from whale.plan.plan import Plan
 from whale.plan.schedule import make_schedule, simulate_lanes
 from whale.planner.calibration_cache import Calibration
-from whale.planner.memory import PCIE_BANDWIDTH, MemoryOptions, StageMemory, plan_memory
+from whale.planner.memory import MemoryOptions, StageMemory, plan_memory
 from whale.planner.steptime import cost
+from whale.planner.steptime.memory_time import PCIE_BANDWIDTH
 
 FIRST_BUCKET, BUCKET = 2**20, 25 * 2**20
 """Gradient bucket caps, bytes (:class:`whale.parallel.data.GradientSync` defaults)."""
@@ -114,7 +115,7 @@ def speed_factors(cluster: ClusterSpec | None, calib: Calibration, world: int, c
     """Per rank, seconds there per second measured on the calibration machine (see the module docstring).
 
     Args:
-        cores: CPU cores emulated ranks share (:func:`whale.runtime.emulation.emulation_cores`).
+        cores: CPU cores emulated ranks share (:func:`whale.cluster.emulation_cores`).
 
     Raises:
         ValueError: ``cores`` below 0.1 or a cluster of another size than ``world``.
