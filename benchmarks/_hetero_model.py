@@ -143,7 +143,7 @@ def memory_scale_for(prof, devices, batch: int, slack: float) -> float:
 def mem_analysis(res: dict, prof) -> dict:
     """Bytes each device would need under FLOPS-proportional shares and under the plan's shares."""
     from whale.cluster import CATALOG
-    from whale.plan.balance import whole_shares
+    from whale.plan.shares import whole_shares
 
     devs = [CATALOG[n] for n in res["devices"]]
     caps = [d.memory_bytes * res["memory_scale"] for d in devs]

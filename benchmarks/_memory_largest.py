@@ -8,7 +8,7 @@ of a fixed gather window) train 3 AdamW steps:
 
 - ``data_parallel``: one TaskGraph (``GPT(stages=1)``) on 4 lanes, every memory technique forbidden;
 - ``best``: each layout (data parallel x 4, 2 pipeline stages x 2 lanes, 4 stages) with the planner free
-  to add activation checkpointing, ZeRO and offload until the plan fits (``whale.plan.memory``);
+  to add activation checkpointing, ZeRO and offload until the plan fits (``whale.planner.memory``);
   the largest that trains under any layout counts.
 
 A size "trains" when planning succeeds and 3 steps finish with no rank over budget. Sizes go up until one
@@ -42,7 +42,7 @@ def _try(ctx, spec, layers: int, stages: int, cfg: dict, forbid: tuple) -> dict:
     import whale as wh
     from examples.gpt.model import GPT, GPTConfig
     from whale.memory.monitor import EmulatedOutOfMemoryError
-    from whale.plan.balance import InfeasiblePlanError
+    from whale.planner.balance import InfeasiblePlanError
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=layers, n_head=4,
@@ -77,7 +77,7 @@ def _try(ctx, spec, layers: int, stages: int, cfg: dict, forbid: tuple) -> dict:
 def ladder_worker(rank: int, world: int, cfg: dict) -> dict:
     """Every mode's ladder of depths in one process group (all ranks agree on every outcome)."""
     import whale as wh
-    from whale.plan.memory import FORBIDDEN
+    from whale.config import FORBIDDEN
 
     ctx = wh.init(wh.Config(num_micro_batch=cfg["micro_batches"], seed=0))
     spec = _spec(cfg["budget"], cfg.get("host_per_node"))

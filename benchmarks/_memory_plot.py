@@ -41,7 +41,7 @@ def plot_memory(configs: dict[str, list[dict]], path: str) -> None:
         ax.set_xticks(xs, [f"r{r['rank']}\n{r['device'].split('-')[0]}" for r in rows], fontsize=8)
     axes[0][0].set_ylabel("MiB at the rank's peak")
     fig.legend(loc="upper center", ncol=7, fontsize=8, frameon=False)
-    fig.text(0.5, 0.005, "black line: planner's predicted peak (whale.plan.memory)", ha="center", fontsize=8)
+    fig.text(0.5, 0.005, "black line: planner's predicted peak (whale.planner.memory)", ha="center", fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,7 +5,7 @@ Four ranks (2 pipeline stages x 2 data-parallel lanes, 1F1B) on the emulated V10
 (nothing, activation checkpointing of every block, ZeRO-1, ZeRO-2, ZeRO-3, optimizer offload, all
 together). Every rank's peak is measured by the storage tracker (:mod:`whale.memory.tracker`, live storage by
 category; host memory apart), never estimated; the planner's prediction for that rank
-(``Plan.predicted_memory``, :mod:`whale.plan.memory`) stands beside it. Two more runs on plain CPU ranks (no
+(``Plan.predicted_memory``, :mod:`whale.planner.memory`) stands beside it. Two more runs on plain CPU ranks (no
 emulation) time the steps with the tracker off and on.
 """
 

@@ -6,8 +6,8 @@ write by hand with Whale's annotations: 4-way data parallel (1, 2 or 4 micro-bat
 2 pipeline stages x 2 replicas and 4 pipeline stages, each with 1, 2, 4 or 8 micro-batches under 1F1B and
 GPipe, all hardware-aware (Algorithm 1 shares, speed-balanced cuts); and the plan ``Config(auto=True)``
 chooses for the unannotated model, ranked by the calibrated estimator
-(:class:`whale.plan.calibrated.CalibratedEstimator`: this machine's unit types are calibrated first, cached).
-Every engine is built in one launch and measured round by round (interleaved, the order reversed every other
+(:class:`whale.planner.steptime.calibrated.CalibratedEstimator`: this machine's unit types are calibrated first,
+cached). Every engine is built in one launch and measured round by round (interleaved, the order reversed every other
 round, median seconds per step), so they share the host's load.
 
 ``auto_vs_best_enumerated`` = best measured step time of the enumerated plans / the auto plan's (goal >= 0.95).
@@ -79,7 +79,7 @@ def _calibrate(cfg: dict) -> None:
     once, into the cache every rank's ``Config(auto=True)`` reads (:func:`whale.frontend.autoplan.estimator`);
     a few seconds the first time, nothing when cached."""
     from examples.gpt.model import GPT, GPTConfig
-    from whale.frontend.calibrate import calibration
+    from whale.calibration.measure import calibration
 
     gcfg = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=4,
                      n_embd=cfg["embd"])

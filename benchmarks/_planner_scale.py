@@ -1,6 +1,6 @@
 """Search time at scale and the paper's configurations (part of :mod:`benchmarks.planner`).
 
-Models are described without weights (:func:`whale.plan.model_desc.transformer`). M6-MoE shapes ASSUMED (the
+Models are described without weights (:func:`whale.planner.model_desc.transformer`). M6-MoE shapes ASSUMED (the
 M6-T / M6-10T papers' tables could not be checked here): d_model 1024, FFN width 21248, 24 layers, every FFN
 an MoE layer with top-1 routing, 512 tokens per sample, vocabulary 21128; 960 experts gives 1.0T parameters
 ("M6-1T"), 10240 experts 10.7T ("M6-10T"). Global batch 1024 sequences. Clusters: nodes of 8 devices, NVLink
@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 
 from whale.cluster import ClusterSpec, NodeSpec, get_device_type
-from whale.plan.estimate import DefaultEstimator, plan_search, pool_from_cluster
-from whale.plan.model_desc import transformer
-from whale.plan.search import NoFeasiblePlanError
+from whale.planner.model_desc import transformer
+from whale.planner.search import NoFeasiblePlanError
+from whale.planner.steptime.estimate import DefaultEstimator, plan_search, pool_from_cluster
 
 BATCH = 1024
 CROSS_NODES = True
@@ -83,12 +83,12 @@ def paper_config(name: str, devices: int) -> dict:
     out = {"model": desc.summary(), "devices": f"{devices} x V100-32GB, 8 per node, "
            f"{pool.host_capacity[0] * 8 / 1e9:.0f} GB host memory per node", "global_batch": BATCH,
            "memory_model": "fp32 parameters and gradients on the device, AdamW state 8 bytes/param "
-                           "(whale.plan.memory); activations 16-bit per the analytic description"}
+                           "(whale.planner.memory); activations 16-bit per the analytic description"}
     try:
         res = plan_search(desc, pool, BATCH, cross_nodes=CROSS_NODES)
         c, e, fits = res.best.candidate, res.best.estimate, True
     except NoFeasiblePlanError:
-        from whale.plan.search import Constraints, enumerate_candidates
+        from whale.planner.search import Constraints, enumerate_candidates
         est = DefaultEstimator(desc, pool, BATCH, CROSS_NODES)
         cands = enumerate_candidates(len(desc.layers), pool.counts, BATCH, Constraints(), est.cuts, est.split_ok)
         c, e = min(((c, est.memory(c)) for c in cands), key=lambda x: (x[1].overflow, x[0]))

@@ -2,9 +2,9 @@
 
 Every run trains a small model for a few steps on emulated ranks (CPU ranks imitating V100/P100; the compute
 is stretched to the declared speeds, the communication is real gloo on localhost) and takes the median over
-steps of the slowest rank's step time; the prediction is :func:`whale.frontend.simcost.predict_model` of the
+steps of the slowest rank's step time; the prediction is :func:`whale.calibration.predict.predict_model` of the
 same plan with this machine's calibration (unit types timed once, cached; local gloo costs measured once; the
-engine fit of :mod:`whale.frontend.calibrate_engine` from the machine's calibration model and from each model's
+engine fit of :mod:`whale.calibration.engine` from the machine's calibration model and from each model's
 own 2-rank data-parallel runs, never from these runs).
 """
 
@@ -126,16 +126,16 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 def predict_run(name: str, plan_json: str, cores: float, factors: list[float]) -> tuple[dict, dict]:
     """The predictions for one run's plan (in this process; calibration cached) with the ranks' actual
     emulation stretch ``factors`` (``1 + slowdown``) and with the nominal one."""
+    from whale.calibration.predict import measured_costs
     from whale.cluster import ClusterSpec
     from whale.frontend.hwplan import sample_rows
-    from whale.frontend.simcost import model_costs
     from whale.plan.plan import Plan
-    from whale.plan.simulate import predict
+    from whale.planner.steptime.simulate import predict
 
     world, *_, ckey = RUNS[name]
     model, batch, loss = build(name, world)
     plan = Plan.from_json(plan_json)
-    costs, mems, calib = model_costs(model, plan, batch, loss)
+    costs, mems, calib = measured_costs(model, plan, batch, loss)
     cluster, rows = ClusterSpec.from_yaml(CLUSTERS[ckey]), sample_rows(batch)
     return tuple(predict(plan, costs, cluster, calib, rows, mems, cores, f).to_dict() for f in (factors, None))
 

@@ -43,8 +43,8 @@ import whale as wh  # noqa: E402
 from benchmarks._launch import launch as shared_launch  # noqa: E402
 from examples.classification.model import backbone_params, build, head_params, hidden_for_bytes  # noqa: E402
 from whale.parallel.split_ops import comm_bytes  # noqa: E402
-from whale.plan.balance import InfeasiblePlanError, balance_batch, balance_shards  # noqa: E402
-from whale.plan.cost import memory_per_device  # noqa: E402
+from whale.planner.balance import InfeasiblePlanError, balance_batch, balance_shards  # noqa: E402
+from whale.planner.steptime.cost import memory_per_device  # noqa: E402
 
 FP32 = 4
 GIB, MIB = 2**30, 2**20

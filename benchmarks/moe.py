@@ -6,7 +6,7 @@ few steps with the MoE under a split nested in the replicate (expert parallelism
 combine, forward and backward; :mod:`whale.parallel.moe`). ANALYTIC, from the step's routing alone:
 :func:`whale.parallel.moe.expected_alltoall_bytes` (``2 x (P_out + P_in) x d x 4`` per rank); the key result is
 measured / analytic, goal exactly 1.0 on every rank. Also reported: the cost model's uniform-routing bytes, the
-planner's view (:func:`whale.plan.cost.all_to_all_time` with bandwidth 1: (n-1)/n of the dispatched bytes,
+planner's view (:func:`whale.planner.steptime.cost.all_to_all_time` with bandwidth 1: (n-1)/n of the dispatched bytes,
 both directions, forward and backward), and its ratio to the measured bytes (how far the real routing is
 from uniform), and the median step time (absolute CPU times mean little).
 
@@ -59,7 +59,7 @@ from benchmarks._launch import launch  # noqa: E402
 from tests.moe_models import MoENet  # noqa: E402
 from whale.parallel.moe import expected_alltoall_bytes  # noqa: E402
 from whale.parallel.split_ops import comm_bytes  # noqa: E402
-from whale.plan.cost import all_to_all_time  # noqa: E402
+from whale.planner.steptime.cost import all_to_all_time  # noqa: E402
 
 CASES = [  # (world, experts, top_k, capacity_factor, shard weights)
     (2, 8, 1, None, None), (2, 8, 2, None, None), (2, 8, 2, 1.0, None),

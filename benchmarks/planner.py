@@ -7,7 +7,7 @@ Parts (``--skip sim,scale,auto``); the JSON is written after each, and parts ski
 
 - ``sim`` (:mod:`benchmarks._planner_sim`): >= 10 EMULATED runs (data parallel, pipeline, split, hybrids;
   V100/P100 mixes; 1-8 micro-batches), each the median step time of the slowest rank vs the prediction of
-  :func:`whale.frontend.simcost.predict_model`: ``sim_median_abs_rel_error`` (goal <= 0.10),
+  :func:`whale.calibration.predict.predict_model`: ``sim_median_abs_rel_error`` (goal <= 0.10),
   ``sim_max_abs_rel_error`` (goal <= 0.20), ``sim_runs`` and a PNG (``<out>_sim.png``). Under emulation compute
   is stretched to the declared speeds but communication is real gloo on localhost, so the prediction uses this
   machine's calibrated gloo costs, not the declared links.

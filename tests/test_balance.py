@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from whale.plan.balance import (
+from whale.plan.plan import PlanError
+from whale.plan.shares import whole_shares
+from whale.planner.balance import (
     InfeasiblePlanError,
     balance_batch,
     balance_shards,
     max_units,
-    whole_shares,
 )
-from whale.plan.plan import PlanError
 
 FAST = settings(max_examples=200, deadline=None)
 

@@ -1,5 +1,5 @@
-"""The search on calibrated costs (whale.plan.calibrated): it ranks candidates as the whole-step simulator
-(whale.plan.simulate.predict) does, the search on it equals brute force, and Config(auto=True) uses it when
+"""The search on calibrated costs (whale.planner.steptime.calibrated): it ranks candidates as the whole-step simulator
+(whale.planner.steptime.simulate.predict) does, the search on it equals brute force, and Config(auto=True) uses it when
 this machine's calibration is cached (no processes)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 
 from tests.test_search import _random_instance, _space, brute_force_check
 from whale.cluster import homogeneous_cpu
-from whale.plan.calibrated import CalibratedEstimator, type_factors
-from whale.plan.calibration import Calibration, UnitTiming
-from whale.plan.estimate import pool_from_cluster
-from whale.plan.model_desc import LayerDesc, ModelDesc
 from whale.plan.plan import Plan, TaskGraph
-from whale.plan.search import Constraints, enumerate_candidates, search
-from whale.plan.simulate import predict
+from whale.planner.calibration_cache import Calibration, UnitTiming
+from whale.planner.model_desc import LayerDesc, ModelDesc
+from whale.planner.search import Constraints, enumerate_candidates, search
+from whale.planner.steptime.calibrated import CalibratedEstimator, type_factors
+from whale.planner.steptime.estimate import pool_from_cluster
+from whale.planner.steptime.simulate import predict
 
 CAL = Calibration(key="test", p2p_latency=2e-4, p2p_bandwidth=1e9, allreduce_latency=2e-4, allreduce_bandwidth=5e8,
                   optimizer_seconds_per_element=2e-8, segment_overhead=5e-4, step_overhead=1e-3)
@@ -104,9 +104,9 @@ def test_auto_plan_uses_the_cached_calibration(tmp_path, monkeypatch):
     from tests.models import TinyLM, lm_batches, lm_loss
     from whale.frontend import hwplan
     from whale.frontend.autoplan import auto_layout, estimator
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan import calibration as cal
-    from whale.plan.model_desc import from_profile
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner import calibration_cache as cal
+    from whale.planner.model_desc import from_profile
 
     monkeypatch.setenv("WHALE_CALIBRATION", str(tmp_path / "calibration.json"))
     model, batch, loss = TinyLM(stage_layers=(4,), tied=False), lm_batches(1, 8)[0], lm_loss

@@ -20,7 +20,8 @@ from whale.cluster import (
     memory_capacity,
 )
 from whale.detect import detect_cluster
-from whale.plan import cost, schedule
+from whale.plan import schedule
+from whale.planner.steptime import cost
 
 MIXED_YAML = """
 emulate: true

@@ -1,5 +1,5 @@
-"""The engine fit of the step-time model (whale.plan.calibration.EngineTiming, whale.frontend.calibrate_engine)
-and the split-module collectives (whale.plan.cost.split_module_comm_time). No processes."""
+"""The engine fit of the step-time model (whale.planner.calibration_cache.EngineTiming, whale.calibration.engine)
+and the split-module collectives (whale.planner.steptime.cost.split_module_comm_time). No processes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from whale.plan import cost
-from whale.plan.calibration import ENGINE_VERSION, Calibration, EngineTiming
-from whale.plan.simulate import StageCost, segment_seconds
+from whale.planner.calibration_cache import ENGINE_VERSION, Calibration, EngineTiming
+from whale.planner.steptime import cost
+from whale.planner.steptime.simulate import StageCost, segment_seconds
 
 
 def test_engine_timing_blends_hot_and_stretched_fits_by_waiting_fraction():
@@ -52,7 +52,7 @@ def test_split_module_comm_time_counts_two_collectives_per_direction():
 
 
 def test_relative_line_recovers_an_exact_line_and_weights_small_segments():
-    from whale.frontend.calibrate_engine import _relative_line
+    from whale.calibration.engine import _relative_line
 
     xs = [0.5, 1.0, 2.0, 8.0, 25.0]
     assert _relative_line(xs, [1.0 + 1.2 * x for x in xs]) == pytest.approx((1.0, 1.2))
@@ -69,7 +69,7 @@ def test_relative_line_recovers_an_exact_line_and_weights_small_segments():
 
 
 def test_fit_segments_fits_lines_or_scales_with_given_intercepts():
-    from whale.frontend.calibrate_engine import _fit_segments
+    from whale.calibration.engine import _fit_segments
 
     ks = (0.5, 1.0, 2.0, 4.0)
     runs = [{"slowdown": s, "cpu_f": 0.2 + 1.0 * k, "cpu_b": 2.0 * k, "wall_f": 1.0 + 1.5 * k, "wall_b": 3.3 * k}
@@ -89,8 +89,8 @@ def test_fit_segments_fits_lines_or_scales_with_given_intercepts():
 def test_gpt_job_names_the_engine_fit_it_lacks(tmp_path, monkeypatch):
     from examples.gpt.model import for_plan
     from examples.gpt.predicted import _missing_fit
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan.calibration import machine_key, model_signature, save
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner.calibration_cache import machine_key, model_signature, save
 
     model, (x, _), loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
     path = tmp_path / "cal.json"

@@ -220,9 +220,9 @@ def test_first_calibration_says_what_it_measures_before_and_during_the_engine_ru
     """The real engine calibration (one spawned process) on 4 tiny one-rank runs instead of 18 (and none of the
     split runs): a line naming the work, the runs and the estimate first, then one line per run with the time
     left."""
-    from whale.frontend import calibrate_engine as ce
-    from whale.frontend.calibrate import calibration
-    from whale.plan.calibration import Calibration, machine_key, save
+    from whale.calibration import engine as ce
+    from whale.calibration.measure import calibration
+    from whale.planner.calibration_cache import Calibration, machine_key, save
 
     path = tmp_path / "cal.json"
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8), path)
@@ -232,7 +232,7 @@ def test_first_calibration_says_what_it_measures_before_and_during_the_engine_ru
     monkeypatch.setattr(ce, "SPLIT_MICRO_BATCHES", ())
     calib = calibration(comm=True, save=True)
     err = capsys.readouterr().err.splitlines()
-    from whale.plan.calibration import load
+    from whale.planner.calibration_cache import load
 
     assert calib.engine is not None and load(machine_key(), path).engine == calib.engine  # fitted, cached
     assert err[0] == (f"whale calibration: measuring this machine's engine fit, once (cached in {path}): 4 one-rank "
@@ -258,7 +258,7 @@ def _two_stage_plan():
 
 def test_simulate_warns_when_plan_and_simulation_disagree_on_busy_shares():
     """No processes: the plan's busy shares against a simulated prediction's, with the stated 10-point limit."""
-    from whale.plan.simulate import Prediction
+    from whale.planner.steptime.simulate import Prediction
     from whale.simulate_cli import busy_disagreement, busy_shares
 
     plan = _two_stage_plan()
@@ -279,7 +279,7 @@ def test_simulate_warns_when_plan_and_simulation_disagree_on_busy_shares():
 
 
 def test_timeline_rows_name_rank_device_stage_and_lane(tmp_path):
-    from whale.plan.simulate import Prediction
+    from whale.planner.steptime.simulate import Prediction
     from whale.simulate_cli import plot_timeline, row_labels
 
     plan = _two_stage_plan()
@@ -301,8 +301,15 @@ def test_whale_simulate_prints_the_plan_before_the_prediction(tmp_path, monkeypa
     from examples.gpt.model import for_plan
     from whale.cli import main
     from whale.frontend import hwplan
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan.calibration import Calibration, EngineTiming, UnitTiming, machine_key, model_signature, save
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner.calibration_cache import (
+        Calibration,
+        EngineTiming,
+        UnitTiming,
+        machine_key,
+        model_signature,
+        save,
+    )
 
     kw = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
     model, batch, loss = for_plan(**kw)

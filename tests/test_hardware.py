@@ -7,10 +7,10 @@ import torch
 
 import whale as wh
 from tests.models import TinyLM
-from whale.cluster import ClusterSpec
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.hardware import MemoryModel, apply_hardware
-from whale.runtime.emulation import EmulatedDevice, emulation_cores, emulation_slowdown
+from whale.cluster import ClusterSpec, emulation_cores
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.hardware import MemoryModel, apply_hardware
+from whale.runtime.emulation import EmulatedDevice, emulation_slowdown
 
 
 def _spec(*names, emulate=False, memory_scale=1.0, per_node=None):

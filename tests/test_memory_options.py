@@ -10,8 +10,8 @@ import random
 import pytest
 
 from whale.config import Config, ConfigError
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.memory import (
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.memory import (
     OFFLOADS,
     MemoryOptions,
     StageMemory,
@@ -20,9 +20,9 @@ from whale.plan.memory import (
     plan_memory,
     rank_memory,
     shortfalls,
-    step_seconds,
 )
-from whale.plan.planner import TaskGraphSummary, make_plan
+from whale.planner.planner import TaskGraphSummary, make_plan
+from whale.planner.steptime.memory_time import step_seconds
 
 ALL = [MemoryOptions(c, z, o) for c, z, o in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS)]
 

@@ -29,8 +29,8 @@ from tests.moe_models import MoENet, PipeMoENet, compare, resume, with_shard_wei
 from whale.cluster import ClusterSpec
 from whale.moe import _dense, capacity, route, route_tokens
 from whale.parallel.split_ops import shard_sizes
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.experts import ExpertPlacementError, expert_counts
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.experts import ExpertPlacementError, expert_counts
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.partition import (
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.partition import (
     order_devices_by_memory,
     partition_layers,
     stage_memory,

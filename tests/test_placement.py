@@ -9,10 +9,11 @@ import random
 
 import pytest
 
-from whale.plan.balance import InfeasiblePlanError, balance_batch, max_units, min_max_shares, whole_shares
-from whale.plan.partition import partition_layers, stage_times
-from whale.plan.placement import compositions, place_stages, placement_work
 from whale.plan.schedule import in_flight_micro_batches
+from whale.plan.shares import min_max_shares, whole_shares
+from whale.planner.balance import InfeasiblePlanError, balance_batch, max_units
+from whale.planner.partition import partition_layers, stage_times
+from whale.planner.placement import compositions, place_stages, placement_work
 
 
 def _all_shares(total: int, lo: int, hi: list[int]):

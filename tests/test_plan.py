@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import whale as wh
-from whale.plan.balance import whole_shares
 from whale.plan.plan import NestedScope, Plan, PlanError, SharedParam, StageCut, TaskGraph
-from whale.plan.planner import TaskGraphSummary, make_plan
+from whale.plan.shares import whole_shares
+from whale.planner.planner import TaskGraphSummary, make_plan
 
 
 def _plan(counts=(1, 1), world=4, **cfg):

@@ -17,8 +17,8 @@ from tests.test_memory_options import _plan
 from whale.cluster import ClusterSpec
 from whale.config import Config
 from whale.frontend.memplan import fit_memory
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.memory import MemoryOptions, StageMemory, choose_memory_options, plan_memory
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.memory import MemoryOptions, StageMemory, choose_memory_options, plan_memory
 
 _STAGE = [StageMemory(trainable_elements=10_000, activation_bytes=100.0, checkpointed_bytes=10.0,
                       backward_bytes=150.0, gather_elements=1000, recompute_flops=1e3, train_flops=1e6)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from whale.cluster import CATALOG
-from whale.plan.estimate import DefaultEstimator, DevicePool
-from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import transformer
-from whale.plan.search import Candidate, Constraints, enumerate_candidates
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
+from whale.planner.memory import MemoryOptions
+from whale.planner.model_desc import transformer
+from whale.planner.search import Candidate, Constraints, enumerate_candidates
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import check_split, legal_split_degrees, split_blockers
 from whale.planner.roofline import Roofline

@@ -17,9 +17,9 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.memplan import fit_memory
 from whale.memory.host import host_memory_capacity
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.fit import fit_shares
-from whale.plan.memory import MemoryOptions, plan_memory, shortfalls
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.fit import fit_shares
+from whale.planner.memory import MemoryOptions, plan_memory, shortfalls
 
 
 def _cluster(speeds, memory, host) -> ClusterSpec:

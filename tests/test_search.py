@@ -1,5 +1,5 @@
-"""The plan search (whale.plan.search + whale.plan.estimate) against brute force, its constraints and errors,
-models described without weights (meta device), and ``whale plan --auto``."""
+"""The plan search (whale.planner.search + whale.planner.steptime.estimate) against brute force, its constraints and
+errors, models described without weights (meta device), and ``whale plan --auto``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 from whale.cluster import ClusterSpec, NodeSpec, get_device_type
 from whale.frontend.autoplan import describe_module
-from whale.plan.estimate import DefaultEstimator, DevicePool, plan_search, pool_from_cluster
-from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import LayerDesc, ModelDesc, ModelDescError, transformer
-from whale.plan.search import Constraints, NoFeasiblePlanError, enumerate_candidates, search
+from whale.planner.memory import MemoryOptions
+from whale.planner.model_desc import LayerDesc, ModelDesc, ModelDescError, transformer
+from whale.planner.search import Constraints, NoFeasiblePlanError, enumerate_candidates, search
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool, plan_search, pool_from_cluster
 
 
 def _random_instance(rng: random.Random) -> tuple[ModelDesc, DevicePool, int]:

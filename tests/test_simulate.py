@@ -9,11 +9,11 @@ import math
 import pytest
 
 from whale.cluster import ClusterSpec, from_device_types, get_device_type
-from whale.plan import cost
-from whale.plan.calibration import Calibration, EngineTiming, UnitTiming, load, machine_key, save
 from whale.plan.plan import Plan, TaskGraph
 from whale.plan.schedule import bubble_fraction, make_schedule, simulate, simulate_lanes
-from whale.plan.simulate import StageCost, predict, speed_factors
+from whale.planner.calibration_cache import Calibration, EngineTiming, UnitTiming, load, machine_key, save
+from whale.planner.steptime import cost
+from whale.planner.steptime.simulate import StageCost, predict, speed_factors
 
 
 @pytest.mark.parametrize("kind", ["1F1B", "GPipe"])
@@ -135,8 +135,8 @@ def _gpt_signature() -> str:
     """The model signature of the CLI test's GPT (its engine fit is seeded: no processes are spawned)."""
     from examples.gpt.model import for_plan
     from whale.frontend import hwplan
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan.calibration import model_signature
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner.calibration_cache import model_signature
 
     model, batch, loss = for_plan(n_layer=2, n_embd=16, n_head=2, vocab_size=64, seq_len=8, batch=4)
     return model_signature(unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True))

@@ -367,7 +367,7 @@ def test_a_split_rule_must_declare_its_parameters_layout():
 
 
 def test_byte_counts_in_messages_read_in_binary_units():
-    from whale.plan.balance import InfeasiblePlanError, balance_batch
+    from whale.planner.balance import InfeasiblePlanError, balance_batch
     from whale.units import format_bytes
 
     assert [format_bytes(v) for v in (0, 512, 1024, 183566000, 134218000, 5.4e9, -2048)] == [

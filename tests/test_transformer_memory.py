@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from whale.plan.memory import MemoryOptions
-from whale.plan.search import Candidate
+from whale.planner.memory import MemoryOptions
+from whale.planner.search import Candidate
 from whale.planner.gpt import GPTShape, parse_gpt
 from whale.planner.transformer_memory import (
     ALLOCATOR_OVERHEAD,

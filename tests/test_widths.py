@@ -191,7 +191,7 @@ def test_hardware_aware_plan_balances_each_stage_by_its_own_devices():
 
 
 def test_measured_rebalance_gives_each_stage_its_own_shares():
-    from whale.plan.hardware import rebalance
+    from whale.planner.hardware import rebalance
 
     plan = _plan((1, 2), num_micro_batch=2)
     out = rebalance(plan, [[0.5], [1.0, 0.25]])

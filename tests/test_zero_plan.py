@@ -14,13 +14,13 @@ from tests.models import TinyLM
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import ConfigError
 from whale.plan.plan import Plan, PlanError
-from whale.plan.zero import (
+from whale.plan.shares import whole_shares
+from whale.planner.zero import (
     GRAD_BYTES,
     OPTIM_BYTES,
     PARAM_BYTES,
     free_memory_shares,
     stage_param_elements,
-    whole_shares,
     worst_fraction,
 )
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from whale.plan.partition import uniform_partition
+from whale.planner.partition import uniform_partition
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The planner's predicted step beside the measured one, for ``make train`` (examples/gpt/train.py).
 
 :func:`prediction_report` (collective: every rank gathers its emulation stretch) has rank 0 predict the plan's
-step with :func:`whale.frontend.simcost.predict_model` (this machine's calibration, cached after the first run)
+step with :func:`whale.calibration.predict.predict_model` (this machine's calibration, cached after the first run)
 and print, per stage, the measured busy seconds per step (the bubble report's) beside the predicted ones, and
 the measured mean step time beside the predicted step time. Under an emulated cluster the prediction uses each
 rank's actual emulation stretch (``1 + engine.slowdown``) and local gloo costs, as the run does.
@@ -50,7 +50,7 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
         layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
         model = GPT(cfg, stages=args.stages * getattr(args, "virtual_stages", 1), stage_layers=layers)
         x = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
-        from whale.frontend.simcost import predict_model
+        from whale.calibration.predict import predict_model
 
         pred = predict_model(model, engine.plan, (x, x), wh.token_cross_entropy(), engine.ctx.cluster,
                              factors=factors, tracked=engine.memory.tracker is not None,
@@ -69,8 +69,8 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
 def _missing_fit(model, x: torch.Tensor, tracked: bool) -> str:
     """Which engine fit the cache lacks for this model (the job measures none without ``--calibrate-engine``):
     ``"engine calibration"`` (the machine's), ``"engine fit of this model"``, or ``""``."""
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan import calibration as cal
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner import calibration_cache as cal
 
     cached = cal.load(cal.machine_key())
     if cached is None or cached.engine is None or cached.engine.version != cal.ENGINE_VERSION:

@@ -15,7 +15,7 @@ def checkpoint_spec(value: str | None):
 
 def forbid_spec(value: str) -> tuple[str, ...]:
     """``--forbid`` as ``Config.forbid``: a tuple of names; ``all`` forbids every technique."""
-    from whale.plan.memory import FORBIDDEN
+    from whale.config import FORBIDDEN
 
     return FORBIDDEN if value.strip() == "all" else tuple(v.strip() for v in value.split(",") if v.strip())
 

@@ -12,6 +12,10 @@ import argparse
 import os
 import sys
 
+import torch
+
+from whale.plan.plan import Plan
+
 _EPILOG = """\
 examples:
   whale checkpoint inspect checkpoints/gpt              # the latest complete checkpoint under it
@@ -38,6 +42,7 @@ def add_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # CLI start-up: whale.runtime loads only when a checkpoint command runs (`whale plan` must not load it)
     from whale.runtime.ckpt_store import CheckpointError
 
     try:
@@ -62,9 +67,7 @@ def inspect(path: str, every: bool = False, verify: bool = True) -> str:
     Raises:
         CheckpointError: no complete checkpoint, or (with ``verify``) a damaged file.
     """
-    import torch
-
-    from whale.plan.plan import Plan
+    # CLI start-up: whale.runtime loads only when a checkpoint command runs (`whale plan` must not load it)
     from whale.runtime import ckpt_store as store
     from whale.runtime.fqn_state import MODEL, OPTIM
 
@@ -95,8 +98,9 @@ def export(path: str, out: str) -> int:
     Raises:
         CheckpointError: no complete checkpoint, or a damaged file.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: an optional dependency, needed by export only
 
+    # CLI start-up: whale.runtime loads only when a checkpoint command runs (`whale plan` must not load it)
     from whale.runtime import ckpt_store as store
     from whale.runtime.checkpoint import read_model_state
 

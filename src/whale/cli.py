@@ -64,7 +64,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
     """Run ``whale launch``; invalid arguments become an argparse-style error (exit code 2)."""
-    from whale.runtime.launch import LaunchError, launch
+    from whale.runtime.launch import LaunchError, launch  # CLI start-up: other commands must not load whale.runtime
 
     rdzv = {k: getattr(ns, k) for k in ("nnodes", "node_rank", "master_addr", "master_port",
                                          "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts")}

@@ -10,6 +10,10 @@ from typing import Any, Literal
 from whale.plan.plan import OFFLOADS, PRECISIONS, OffloadName, PrecisionName
 from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 
+FORBIDDEN = ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
+"""What ``Config.forbid`` may name: memory techniques the planner must not add on its own
+(:func:`whale.planner.memory.candidates`)."""
+
 NonFiniteName = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[NonFiniteName, ...] = ("raise", "skip")
 """What a training step does when a loss or gradient is NaN/inf (``Config.nonfinite``)."""
@@ -82,7 +86,7 @@ class Config:
             inside the engine's forward each lane and split shard draws from its own stream derived from it
             (:mod:`whale.runtime.rng`).
         load_shares: relative load of each data-parallel lane (one positive number per lane); ``None``: equal.
-            Whole samples follow them (:func:`whale.plan.balance.whole_shares`), so ``(5, 3)`` on a batch of 8
+            Whole samples follow them (:func:`whale.plan.shares.whole_shares`), so ``(5, 3)`` on a batch of 8
             gives 5 and 3 rows.
         bucket_cap_mb: gradient all-reduce bucket size, MiB (1 MiB = 2**20 bytes).
         backend: torch.distributed backend; ``None`` picks ``nccl`` when CUDA is available, else ``gloo``.
@@ -115,7 +119,7 @@ class Config:
             the planner predicts every rank's peak memory and, when the plan does not fit, adds the cheapest
             combination of activation checkpointing, a higher ZeRO stage and offload that does (what is set
             above is kept: setting it forces it); the plan printout says what it added and why
-            (:mod:`whale.plan.memory`). Names: ``"activation_checkpoint"``, ``"zero"``, ``"zero3"``,
+            (:mod:`whale.planner.memory`). Names: ``"activation_checkpoint"``, ``"zero"``, ``"zero3"``,
             ``"offload"``, ``"offload_params"``. Forbidding everything makes a plan that does not fit an error.
         offload: ZeRO-Offload (Ren et al., USENIX ATC 2021): ``"none"`` (default); ``"optimizer"``: each rank keeps
             fp32 master copies, gradients and the optimizer state of the parameters it updates (its ZeRO slice
@@ -125,7 +129,7 @@ class Config:
             ``zero=0``). Host bytes are measured apart from device bytes and, under an emulated cluster, bounded
             by each node's ``host_memory_bytes`` shared by its ranks (:mod:`whale.runtime.offload`).
         auto: let the planner choose the pipeline stage count and cut, the data-parallel degree, micro-batches,
-            schedule and memory techniques (:mod:`whale.plan.search`, :mod:`whale.frontend.autoplan`): the plan
+            schedule and memory techniques (:mod:`whale.planner.search`, :mod:`whale.frontend.autoplan`): the plan
             with the least predicted step time that fits memory; annotations constrain it (an annotated stage
             count and cut are kept). ``num_micro_batch``, ``schedule``, ``zero``, ``offload`` and
             ``activation_checkpoint`` set here are then replaced by the search's choice (the memory settings as a
@@ -240,8 +244,6 @@ class Config:
 
 
 def _check_forbid(forbid: Any) -> None:
-    from whale.plan.memory import FORBIDDEN
-
     bad = [f for f in (forbid if isinstance(forbid, tuple | list) else [forbid]) if f not in FORBIDDEN]
     if bad or not isinstance(forbid, tuple | list):
         raise ConfigError(f"forbid={forbid!r}: {bad or forbid!r} cannot be forbidden; give a tuple of names among "

@@ -47,10 +47,11 @@ def _ce_sum(output, target: torch.Tensor, ignore_index: int, label_smoothing: fl
     if isinstance(output, torch.Tensor):
         return F.cross_entropy(output.reshape(-1, output.size(-1)).float(), target.reshape(-1),
                                ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum")
-    from whale.parallel.bridge import cross_entropy  # class-sharded logits of a split head
-
-    return cross_entropy(output, target.reshape(-1), ignore_index=ignore_index, label_smoothing=label_smoothing,
-                         reduction="sum")
+    sharded = getattr(output, "sharded_cross_entropy", None)  # whale.parallel.bridge.ShardedLogits of a split head
+    if sharded is None:
+        raise TypeError(f"token_cross_entropy takes [..., C] logits (a tensor, an object with .logits, or the "
+                        f"class-sharded logits of a split head), got {type(output).__name__}")
+    return sharded(target.reshape(-1), ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum")
 
 
 def _count_valid(target: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ example ``loss_fn=lambda out, y: F.cross_entropy(out, y) + wh.moe_aux_loss(model
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from whale.plan.plan import MoELayer, PlanError
 from whale.splitrules import SplitError, _register_builtin_check, split_modules
 
 __all__ = ["MoE", "Routing", "route", "route_tokens", "capacity", "expert_ffn", "combine", "moe_aux_loss"]
@@ -316,10 +318,6 @@ def with_moe_layers(model: nn.Module, plan):
         SplitError: an MoE layer lies inside a split target instead of being one (expert parallelism needs the
             layer itself as the split module: a container around it would gather every rank's rows into it).
     """
-    import dataclasses
-
-    from whale.plan.plan import MoELayer
-
     if not plan.uniform_width or plan.stage_width <= 1:
         return plan
     layers = []
@@ -345,8 +343,6 @@ def check_aux_stages(model: nn.Module, plan) -> None:
     Raises:
         PlanError: naming the layer, its coefficients, its stage and the fixes.
     """
-    from whale.plan.plan import PlanError
-
     if plan.num_stages < 2 or not plan.stage_cuts:
         return
     where = {p: s for s, cut in enumerate(plan.stage_cuts) for p in cut.params}

@@ -14,7 +14,8 @@ import importlib
 import inspect
 import sys
 
-from whale.plan.memory import FORBIDDEN
+from whale.config import FORBIDDEN, Config
+from whale.frontend.planning import plan_model
 from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
 from whale.planner.desc_cli import add_desc_args, run_desc
@@ -92,8 +93,6 @@ def load_factory(spec: str):
 
 
 def _make_plan(ns: argparse.Namespace):
-    import whale as wh  # planning names only: whale.runtime and whale.parallel stay unloaded
-
     pairs = [kv.split("=", 1) for kv in ns.args]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"--args takes KEY=VALUE pairs, got {ns.args}")
@@ -101,10 +100,10 @@ def _make_plan(ns: argparse.Namespace):
     made = factory(**factory_kwargs(factory, pairs, ns.model))
     model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
-    config = wh.Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
+    config = Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
                        hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload,
                        zero=ns.zero, forbid=forbid, auto=ns.auto)
-    return wh.plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
+    return plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ communication seconds by kind, and a warning when the plan's and the simulation'
 than :data:`BUSY_WARN`; writes a timeline PNG (one row per rank, labelled with its device, stage and lane:
 forward, backward, gradient sync and optimizer boxes; gaps are idle). Takes every ``whale plan`` argument.
 
-The prediction (:func:`whale.frontend.simcost.predict_model`) uses this machine's calibration: each layer-unit
+The prediction (:func:`whale.calibration.predict.predict_model`) uses this machine's calibration: each layer-unit
 type of the model is timed once (cached in ``~/.cache/whale/calibration.json`` or ``$WHALE_CALIBRATION``) and
 gloo's local latency and bandwidth are measured once (two processes, a few seconds). On an emulated cluster
 (``emulate: true``) compute is stretched to the declared speeds and communication is local gloo, as the run
@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from whale.frontend.hwplan import sample_rows
+from whale.frontend.planning import resolve_cluster
 from whale.plan_cli import _make_plan, _value, add_plan, load_factory
 from whale.planner.desc_cli import run_desc
 
@@ -112,7 +114,7 @@ def plot_timeline(pred, path: str, title: str = "", plan=None) -> list[str]:
     """One row per rank: F/B/sync/optim boxes over the step (matplotlib, Agg); gaps are idle time. Rows are
     labelled with rank, device, stage and lane (:func:`row_labels`; rank only without ``plan``); returns the
     labels."""
-    import matplotlib
+    import matplotlib  # lazy: a heavy optional dependency, needed only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,9 +142,8 @@ def plot_timeline(pred, path: str, title: str = "", plan=None) -> list[str]:
 
 def run_simulate(ns: argparse.Namespace) -> int:
     """Plan, predict, print, plot; a bad input prints one line and returns 2."""
-    from whale.frontend.hwplan import sample_rows
-    from whale.frontend.planning import resolve_cluster
-    from whale.frontend.simcost import predict_model
+    # CLI start-up: whale.calibration loads whale.runtime, which `whale plan` (same CLI module tree) must not load
+    from whale.calibration.predict import predict_model
 
     if ns.model_desc:  # a described model: the step-time model alone, no per-unit timing run
         return run_desc(ns, simulate=True)

@@ -3,14 +3,14 @@ features) each module type cuts, how those units are shared out over a split gro
 
 Loaded lazily by :mod:`whale.splitrules` the first time a ``transformers`` module type is checked (so neither
 Whale nor ``whale plan`` imports ``transformers`` for other models), it imports nothing of Whale's above
-:mod:`whale.splitrules` and :mod:`whale.plan.balance` (planning must not import :mod:`whale.parallel`). The
+:mod:`whale.splitrules` and :mod:`whale.plan.shares` (planning must not import :mod:`whale.parallel`). The
 sharded modules themselves are in :mod:`whale.parallel.split_hf`, which uses the helpers below so that the plan
 and the runtime agree.
 
 Units. A Llama attention is cut by whole key/value heads, each with the ``num_key_value_groups`` query heads that
 attend with it (grouped-query attention keeps its grouping on every shard); a GPT-2 attention by whole heads
 (self-attention only); a Llama or GPT-2 MLP by intermediate features. Shard sizes in units come from the split's
-shard weights by Whale's one apportionment (:func:`whale.plan.balance.whole_shares`: the slowest shard as
+shard weights by Whale's one apportionment (:func:`whale.plan.shares.whole_shares`: the slowest shard as
 fast as whole units allow, every shard at least one unit), so hardware-aware shares are rounded to whole
 key/value heads. Explicit element sizes (``shard_module(..., sizes=...)``) must be whole multiples of a unit;
 they are never rounded (that would silently change the split asked for): anything else is refused with
@@ -19,9 +19,11 @@ they are never rounded (that would silently change the split asked for): anythin
 
 from __future__ import annotations
 
+import importlib
+
 from torch import nn
 
-from whale.plan.balance import whole_shares
+from whale.plan.shares import whole_shares
 from whale.splitrules import SplitError, _bound, _name, _register_builtin_check, _where
 
 __all__ = ["kv_heads", "unit_shards", "HF_TYPES"]
@@ -119,8 +121,6 @@ def _types() -> dict[str, tuple]:
 
 
 def _resolve(path: str) -> type | None:
-    import importlib
-
     mod, _, cls = path.partition(":")
     try:
         return getattr(importlib.import_module(mod), cls)

@@ -44,8 +44,8 @@ def seed_calibration(argv: list[str], path: str) -> None:
     import argparse
 
     from whale.frontend import hwplan
-    from whale.frontend.calibrate import unit_keys
-    from whale.plan.calibration import Calibration, EngineTiming, UnitTiming, machine_key, model_signature, save
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner.calibration_cache import Calibration, EngineTiming, UnitTiming, machine_key, model_signature, save
     from whale.plan_cli import factory_kwargs, load_factory
 
     p = argparse.ArgumentParser(add_help=False)

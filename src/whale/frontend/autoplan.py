@@ -1,4 +1,4 @@
-"""``Config(auto=True)``: profile the model, search the plan (:mod:`whale.plan.search`) and hand the front end a
+"""``Config(auto=True)``: profile the model, search the plan (:mod:`whale.planner.search`) and hand the front end a
 layout it turns into a real :class:`~whale.plan.plan.Plan` through the usual stage-cut machinery.
 
 What the search may choose for a real model: the pipeline stage count and cut (over the profiled layer units,
@@ -7,7 +7,7 @@ world = K x stages, each stage a ``replicate(1)`` TaskGraph), the micro-batch co
 techniques. Annotations are constraints: annotated stages keep their count and cut (only K, micro-batches,
 schedule and memory options are searched). The search does not add ``split`` to unannotated modules (that
 needs a sharding rule per module), and models that carry ``split`` annotations are refused with a clear error
-for now. Devices are placed as the runtime places them (:func:`whale.plan.hardware.device_order`).
+for now. Devices are placed as the runtime places them (:func:`whale.planner.hardware.device_order`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,21 @@ from dataclasses import dataclass
 from torch import nn
 
 from whale.annotation import Scope, replicate
-from whale.cluster import ClusterSpec, homogeneous_cpu
+from whale.cluster import ClusterSpec, emulation_cores, homogeneous_cpu
 from whale.config import Config, ConfigError
 from whale.frontend import hwplan
 from whale.frontend.profile import ModelProfile, profile_model
+from whale.frontend.simcost import covers, layer_timings
 from whale.frontend.taskgraphs import task_graph_scopes
-from whale.plan.estimate import DefaultEstimator, DevicePool, pool_from_cluster
-from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import ModelDesc, from_profile
-from whale.plan.planner import TaskGraphSummary, is_colocated
-from whale.plan.search import Constraints, SearchResult, enumerate_candidates, search
+from whale.frontend.unit_keys import unit_keys
+from whale.planner import calibration_cache as cal
+from whale.planner.memory import MemoryOptions
+from whale.planner.model_desc import ModelDesc, from_profile
+from whale.planner.planner import TaskGraphSummary, is_colocated
+from whale.planner.search import Constraints, SearchResult, enumerate_candidates, search
+from whale.planner.steptime.calibrated import CalibratedEstimator, type_factors
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool, pool_from_cluster
+from whale.planner.steptime.simulate import speed_factors
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class AutoLayout:
 
 def describe_module(model: nn.Module, inputs, batch_size: int = 1, loss_fn=None, name: str | None = None) -> ModelDesc:
     """Profile ``model`` on fake tensors (:func:`whale.frontend.profile.profile_model`; a meta-device model
-    works and nothing is allocated) and describe it (:func:`whale.plan.model_desc.from_profile`). ``inputs``:
+    works and nothing is allocated) and describe it (:func:`whale.planner.model_desc.from_profile`). ``inputs``:
     ``inputs(batch) -> input(s)`` or InputSpecs; ``loss_fn(output, *inputs)``. Raises ProfileError like the
     profiler."""
     prof = profile_model(model, inputs, batch_size=batch_size, loss_fn=loss_fn)
@@ -119,18 +124,11 @@ def _stage_of(model: nn.Module, prof: ModelProfile, counts: tuple[int, ...]) -> 
 
 def estimator(model: nn.Module, prof: ModelProfile, desc: ModelDesc, pool: DevicePool, batch: int,
               spec: ClusterSpec, config: Config, sample_batch, loss_fn=None) -> tuple[DefaultEstimator, str]:
-    """The search's estimator and a note naming it: :class:`whale.plan.calibrated.CalibratedEstimator` when
-    this machine's cached calibration (:func:`whale.plan.calibration.load`) holds every profiled unit of
+    """The search's estimator and a note naming it: :class:`whale.planner.steptime.calibrated.CalibratedEstimator` when
+    this machine's cached calibration (:func:`whale.planner.calibration_cache.load`) holds every profiled unit of
     ``model`` (timed as the run will be: under the memory tracker when it tracks), else the datasheet
     :class:`DefaultEstimator`. Nothing is measured here: every rank reads the same cache, so all choose the
-    same plan (a calibration is made by ``whale simulate`` or :func:`whale.frontend.calibrate.calibration`)."""
-    from whale.frontend.calibrate import unit_keys
-    from whale.frontend.simcost import covers, layer_timings
-    from whale.plan import calibration as cal
-    from whale.plan.calibrated import CalibratedEstimator, type_factors
-    from whale.plan.simulate import speed_factors
-    from whale.runtime.emulation import emulation_cores
-
+    same plan (a calibration is made by ``whale simulate`` or :func:`whale.calibration.measure.calibration`)."""
     default = DefaultEstimator(desc, pool, batch)
     calib = cal.load(cal.machine_key())
     if calib is None:

@@ -2,7 +2,7 @@
 (the Whale paper's §3.3); :mod:`whale.frontend.memplan` turns the profile into each stage's memory.
 
 Everything here is analysis before any process group is touched; the arithmetic lives in the pure functions
-of :mod:`whale.plan.placement`, :mod:`whale.plan.balance` and :mod:`whale.plan.hardware`.
+of :mod:`whale.planner.placement`, :mod:`whale.planner.balance` and :mod:`whale.planner.hardware`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from torch import nn
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.frontend.profile import ModelProfile, profile_model
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.hardware import device_order
-from whale.plan.placement import place_stages, placement_work
 from whale.plan.plan import Plan, StageCut
 from whale.plan.schedule import in_flight_micro_batches
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.hardware import device_order
+from whale.planner.placement import place_stages, placement_work
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,12 @@ def placement_order(layout: Plan, types: DeviceTypes, groups) -> tuple[int, ...]
 
 
 PLACEMENT_WORK_LIMIT = 4e7
-"""Largest :func:`whale.plan.placement.placement_work` searched exactly (about a second on one core); above it
+"""Largest :func:`whale.planner.placement.placement_work` searched exactly (about a second on one core); above it
 the stages keep the paper's memory order and only the cut is chosen (the plan's note says so)."""
 
 
 def memory_order_groups(layout: Plan, types: DeviceTypes, cluster: ClusterSpec) -> list[tuple[int, ...]]:
-    """Per stage, devices of each type under the paper's memory order (:func:`whale.plan.hardware.device_order`
+    """Per stage, devices of each type under the paper's memory order (:func:`whale.planner.hardware.device_order`
     on a plan without an order: in each replica, largest memory first)."""
     ordered = dataclasses.replace(layout, device_order=device_order(dataclasses.replace(layout, device_order=()),
                                                                     cluster))
@@ -142,13 +142,13 @@ def _placement_note(types: DeviceTypes, placement, units: list[list[str]], exact
 def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
                  global_batch: int) -> UnitCut:
     """Contiguous unit cut and the devices of every stage, chosen together to minimize the slowest stage within
-    memory (:func:`whale.plan.placement.place_stages`, exact); ``layout`` gives the stage widths and
+    memory (:func:`whale.planner.placement.place_stages`, exact); ``layout`` gives the stage widths and
     replicas. Stages of different widths are compared by rows per device (a stage twice as wide takes each
     micro-batch's rows twice as fast); activation bytes are counted at the narrowest stage's rows per device
     on every stage (an upper bound for the wider ones).
 
     When no placement fits the devices' memory without memory techniques, it minimizes the slowest stage alone
-    and :mod:`whale.plan.memory` then adds checkpointing, ZeRO or offload (or says nothing fits).
+    and :mod:`whale.planner.memory` then adds checkpointing, ZeRO or offload (or says nothing fits).
     """
     types = device_types(cluster)
     units = list(prof.units)

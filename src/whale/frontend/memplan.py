@@ -1,15 +1,15 @@
 """From the fake-tensor profile to each stage's memory, and the memory techniques the plan needs to fit.
 
 :func:`stage_memories` turns the profile (:mod:`whale.frontend.profile`) and the plan's stage cut into one
-:class:`whale.plan.memory.StageMemory` per pipeline stage: trainable elements from the stage's own parameter
+:class:`whale.planner.memory.StageMemory` per pipeline stage: trainable elements from the stage's own parameter
 names (a weight tied across stages counts in every stage that holds a copy), activation bytes per sample of
 the units the stage runs (the loss in the last stage), the same with every repeated layer checkpointed, and
 the backward temporaries of the stage's units counted from the moment its backward starts (what a pipeline
 rank holds: the received gradient, the gradients of activations, the loss's gradient of the logits).
 
-:func:`fit_memory` asks :func:`whale.plan.memory.choose_memory_options` for the cheapest allowed techniques
+:func:`fit_memory` asks :func:`whale.planner.memory.choose_memory_options` for the cheapest allowed techniques
 that fit, placing the plan for each candidate with its rows and ZeRO shares chosen together within memory
-(:func:`whale.plan.fit.fit_shares`), and records the choice in the plan.
+(:func:`whale.planner.fit.fit_shares`), and records the choice in the plan.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from whale.config import Config
 from whale.frontend.profile import ModelProfile
 from whale.memory.checkpointing import repeated_layers
 from whale.memory.host import host_memory_capacity
-from whale.plan.fit import fit_shares
-from whale.plan.hardware import apply_hardware
-from whale.plan.memory import (
+from whale.plan.plan import Plan
+from whale.planner.fit import fit_shares
+from whale.planner.hardware import apply_hardware
+from whale.planner.memory import (
     MemoryChoice,
     MemoryOptions,
     StageMemory,
     choose_memory_options,
 )
-from whale.plan.plan import Plan
 
 
 def _inside(name: str, targets: tuple[str, ...]) -> bool:
@@ -83,7 +83,7 @@ def _tied_relief(prof: ModelProfile, tensors: dict, tied: set[int]) -> dict[str,
 
 def _p2p(stage_units: list[list], s: int) -> float:
     """Bytes per sample of stage ``s``'s point-to-point buffers: three messages per boundary (see
-    :class:`~whale.plan.memory.StageMemory`), a boundary's size the output of the unit before it."""
+    :class:`~whale.planner.memory.StageMemory`), a boundary's size the output of the unit before it."""
     ends = [units[-1].output_bytes if units else 0.0 for units in stage_units]
     inward = ends[s - 1] if s > 0 else 0.0
     outward = ends[s] if s < len(stage_units) - 1 else 0.0
@@ -143,7 +143,7 @@ def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], glob
 
     ``floor``: what the user set (kept); ``config.forbid``: what must not be added; ``supported(options)``:
     whether the runtime runs a combination. Each candidate's rows and ZeRO shares are chosen together within
-    every rank's device and host memory (:func:`whale.plan.fit.fit_shares`).
+    every rank's device and host memory (:func:`whale.planner.fit.fit_shares`).
 
     Raises:
         InfeasiblePlanError: no allowed combination fits (names the closest one, the rank, its device, the bytes

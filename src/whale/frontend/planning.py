@@ -2,10 +2,10 @@
 
 Steps: record the TaskGraphs from the annotations; with a sample batch and a cluster, profile the model on fake
 tensors (no compute); on a mixed cluster, cut the pipeline and choose each stage's devices together by speed and
-memory (:func:`whale.plan.placement.place_stages`, exact; the Whale paper's §3.3 orders by memory first);
+memory (:func:`whale.planner.placement.place_stages`, exact; the Whale paper's §3.3 orders by memory first);
 cut the traced model into stages and record the cut by name; call the pure planner
-(:func:`whale.plan.planner.make_plan`); balance the plan for the devices
-(:func:`whale.plan.hardware.apply_hardware`). No process group is touched; nothing from :mod:`whale.parallel`
+(:func:`whale.planner.planner.make_plan`); balance the plan for the devices
+(:func:`whale.planner.hardware.apply_hardware`). No process group is touched; nothing from :mod:`whale.parallel`
 or :mod:`whale.runtime` is imported, so ``whale plan`` stays light.
 """
 
@@ -21,6 +21,7 @@ from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.detect import detect_cluster
 from whale.frontend import hwplan, memplan
+from whale.frontend.autoplan import auto_layout
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError
 from whale.frontend.profile import default_units
@@ -28,12 +29,12 @@ from whale.frontend.stagecut import cut_model
 from whale.frontend.taskgraphs import all_tensors, colocated_names, split_leaves, summaries, task_graph_scopes
 from whale.memory.checkpointing import resolve_targets
 from whale.moe import check_aux_stages, with_moe_layers
-from whale.plan.experts import expert_memory_counts
-from whale.plan.hardware import apply_hardware, is_heterogeneous
-from whale.plan.memory import MemoryOptions
 from whale.plan.plan import Plan, PlanError
-from whale.plan.planner import TaskGraphSummary, is_colocated, make_plan
-from whale.plan.zero import with_zero_weights
+from whale.planner.experts import expert_memory_counts
+from whale.planner.hardware import apply_hardware, is_heterogeneous
+from whale.planner.memory import MemoryOptions
+from whale.planner.planner import TaskGraphSummary, is_colocated, make_plan
+from whale.planner.zero import with_zero_weights
 from whale.splitrules import check_split_plan
 
 
@@ -100,8 +101,6 @@ def plan_with_stages(model: nn.Module, world_size: int, config: Config | None = 
     if not any(True for _ in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelize")
     if config.auto:  # search the layout (whale.frontend.autoplan), then plan it like an annotated model
-        from whale.frontend.autoplan import auto_layout
-
         layout = auto_layout(model, world_size, config, sample_batch, cluster, loss_fn)
         plan, stages = _plan(model, world_size, layout.config, sample_batch, cluster, loss_fn, layout)
         return dataclasses.replace(plan, notes=plan.notes + layout.notes), stages
@@ -152,7 +151,7 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
 
 
 def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:
-    """The plan balanced for ``cluster`` with the cheapest memory techniques that fit (:mod:`whale.plan.memory`);
+    """The plan balanced for ``cluster`` with the cheapest memory techniques that fit (:mod:`whale.planner.memory`);
     the printout says what was added and why.
 
     Raises:

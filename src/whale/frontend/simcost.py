@@ -1,4 +1,5 @@
-"""A model's stage costs for the step-time model: profile + calibration -> :class:`whale.plan.simulate.StageCost`.
+"""A model's stage costs for the step-time model: profile + calibration ->
+:class:`whale.planner.steptime.simulate.StageCost`.
 
 :func:`stage_costs` sums, per pipeline stage, the calibrated forward/backward seconds of the layer units the
 stage holds (units by the stage holding their parameters, the loss on the last stage), the bytes it sends to
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from whale.cluster import ClusterSpec
 from whale.frontend import hwplan, memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
-from whale.plan.calibration import Calibration, UnitTiming, model_signature
+from whale.frontend.unit_keys import unit_keys
 from whale.plan.plan import Plan
-from whale.plan.simulate import Prediction, StageCost, predict
+from whale.planner import calibration_cache as cal
+from whale.planner.calibration_cache import Calibration, UnitTiming
+from whale.planner.steptime.simulate import StageCost
 
 
 def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
@@ -28,8 +30,8 @@ def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
 
 def layer_timings(prof: ModelProfile, keys: dict[str, str], calib: Calibration) -> list[UnitTiming]:
     """Per profiled unit, in forward order, its calibrated timing (:func:`_timing`), the work outside every
-    unit (``"<rest>"``: the loss) added to the last, as :func:`whale.plan.model_desc.from_profile` folds it:
-    the layer timings of :class:`whale.plan.calibrated.CalibratedEstimator`. Seconds on the calibration
+    unit (``"<rest>"``: the loss) added to the last, as :func:`whale.planner.model_desc.from_profile` folds it:
+    the layer timings of :class:`whale.planner.steptime.calibrated.CalibratedEstimator`. Seconds on the calibration
     machine."""
     out = [_timing(u, keys.get(u.name), calib) for u in prof.units]
     rest = _timing(prof.rest, keys.get("<rest>"), calib)
@@ -58,7 +60,7 @@ def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[U
 def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str, str],
                 calib: Calibration) -> list[StageCost]:
     """One :class:`StageCost` per stage of ``plan`` from the profile and the calibration (``keys``: the
-    calibration key of each unit, :func:`whale.frontend.calibrate.unit_keys`)."""
+    calibration key of each unit, :func:`whale.frontend.unit_keys.unit_keys`)."""
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)
@@ -95,43 +97,28 @@ def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:
     return {"split_bytes": out_b, "split_in_bytes": in_b, "split_modules": count}
 
 
-def predict_model(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, cluster: ClusterSpec | None = None,
-                  calib: Calibration | None = None, rows: int = 16, cores: float | None = None,
-                  factors: list[float] | None = None, tracked: bool | None = None,
-                  measure_engine: bool = True) -> Prediction:
-    """Predict ``plan``'s step for ``model`` at the sample batch's size: profile (fake tensors), calibrate the
-    unit types not cached yet (:func:`whale.frontend.calibrate.calibration`; a few seconds once per machine and
-    model shape), simulate (:func:`whale.plan.simulate.predict`) with per-rank memory.
-
-    Args:
-        cores: CPU cores emulated ranks share (default: :func:`whale.runtime.emulation.emulation_cores`).
-        factors: per-rank speed factors overriding the cluster's (see :func:`whale.plan.simulate.predict`).
-        tracked: the run measures memory with the CPU tracker (``Config.track_memory``; default: as the runtime's
-            auto, on under an emulated cluster): units are timed under it too.
-        measure_engine: measure the engine fits when not cached (minutes, once per machine and model);
-            ``False`` uses them only when cached (see :func:`whale.frontend.calibrate.calibration`).
-    """
-    from whale.runtime.emulation import emulation_cores
-
-    tracked = bool(cluster is not None and cluster.emulate) if tracked is None else tracked
-    costs, mems, calib = model_costs(model, plan, sample_batch, loss_fn, calib, rows, tracked, measure_engine)
-    return predict(plan, costs, cluster, calib, hwplan.sample_rows(sample_batch), mems,
-                   cores if cores is not None else emulation_cores(), factors)
-
-
 def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
-                rows: int = 16, tracked: bool = False,
-                measure_engine: bool = True) -> tuple[list[StageCost], list, Calibration]:
-    """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model``: profile once (fake tensors),
-    calibrate only the unit types not cached (:func:`whale.frontend.calibrate.calibration`); the calibration
-    returned carries the model's own engine fit when measured (:meth:`Calibration.for_model`)."""
-    from whale.frontend.calibrate import calibration, unit_keys
+                tracked: bool = False, prof: ModelProfile | None = None,
+                keys: dict[str, str] | None = None) -> tuple[list[StageCost], list, Calibration]:
+    """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model`` from an existing calibration:
+    ``calib`` (e.g. one just measured by :func:`whale.calibration.measure.calibration`), else this machine's
+    cached one (:func:`whale.planner.calibration_cache.load`). Profiles once on fake tensors (unless ``prof`` is
+    given), keys the units (:func:`whale.frontend.unit_keys.unit_keys`, unless ``keys`` is given) and sums their
+    timings; a unit type not in the calibration costs its FLOPs at the best measured speed. Nothing is measured
+    here; the calibration returned carries the model's own engine fit when it holds one
+    (:meth:`Calibration.for_model`).
 
-    prof = hwplan.profile(model, sample_batch, loss_fn=loss_fn)
-    keys = unit_keys(model, sample_batch, prof, loss_fn, tracked)
-    calib = (calib or calibration(model, sample_batch, loss_fn, rows, tracked=tracked, keys=keys,
-                                  measure_engine=measure_engine)).for_model(
-        model_signature(keys))
+    Raises:
+        ValueError: no ``calib`` and none cached for this machine (naming the fix).
+    """
+    if calib is None:
+        calib = cal.load(cal.machine_key())
+        if calib is None:
+            raise ValueError(f"no calibration cached for this machine ({cal.cache_path()}); measure one with "
+                             "`whale simulate` or whale.calibration.measure.calibration(model, sample_batch)")
+    prof = prof or hwplan.profile(model, sample_batch, loss_fn=loss_fn)
+    keys = keys or unit_keys(model, sample_batch, prof, loss_fn, tracked)
+    calib = calib.for_model(cal.model_signature(keys))
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)

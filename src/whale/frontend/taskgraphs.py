@@ -6,7 +6,7 @@ from torch import nn
 
 from whale.annotation import Scope, default_strategy, own_scopes, tensor_scopes, top_level
 from whale.plan.plan import NestedScope
-from whale.plan.planner import TaskGraphSummary
+from whale.planner.planner import TaskGraphSummary
 
 
 def compress_names(names: set[str], all_names: list[str]) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from whale.cluster import memory_capacity
 from whale.memory.host import EmulatedHostOutOfMemoryError
 from whale.memory.tracker import CATEGORIES, HOST_CATEGORIES, StorageTracker
 from whale.units import format_bytes
@@ -76,8 +77,6 @@ class MemoryMonitor:
         """The monitor of an engine: ``ctx`` (:class:`whale.runtime.context.Context`) gives the device, the
         config's ``track_memory`` and, under an emulated cluster, the rank's capacity; ``plan`` the device names
         and predicted bytes."""
-        from whale.cluster import memory_capacity
-
         emulated = ctx.cluster is not None and ctx.cluster.emulate
         return cls(module, optimizer, ctx.device, ctx.config.track_memory,
                    memory_capacity(ctx.cluster, ctx.rank) if emulated else None, ctx.rank, ctx.world_size,

@@ -109,6 +109,11 @@ class ShardedLogits:
             "whale.accuracy as the loss/metric, or put the head in an nn.Sequential with a following Linear "
             "so that its output is gathered")
 
+    def sharded_cross_entropy(self, target: torch.Tensor, **kwargs) -> torch.Tensor:
+        """:func:`cross_entropy` of these logits (``kwargs`` as there): how :mod:`whale.loss`, which the planning
+        names load, reaches the split head's loss without importing :mod:`whale.parallel`."""
+        return cross_entropy(self, target, **kwargs)
+
 
 def cross_entropy(output, target: torch.Tensor, weight: torch.Tensor | None = None, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:

@@ -4,7 +4,7 @@ Fedus et al. 2021).
 
 :class:`ExpertParallelMoE` is this rank's shard. The stacked expert tensors (``w1 [E, d, f]``, ``b1``, ``w2``,
 ``b2``) are cut along dim 0 into whole experts, ``counts[r]`` on group rank r (uneven: the plan's shard weights,
-by device speed, :func:`whale.plan.experts.expert_counts`); the router is whole on every rank. The layer
+by device speed, :func:`whale.planner.experts.expert_counts`); the router is whole on every rank. The layer
 **keeps its rows** (``keeps_rows = True``: :class:`whale.parallel.bridge.SplitRegion` puts no row bridges around
 it): each rank routes the rows its data-parallel lane holds, as the one-process layer would (drops are decided
 per sample, so locally, see :mod:`whale.moe`), then per forward:
@@ -20,7 +20,7 @@ Backward runs the same two all-to-alls in reverse (:class:`_AllToAll`). Bytes: `
 counts what an all-to-all moves over the network, the rows this rank sends to OTHER ranks (its own chunk stays
 local): per forward ``2 x sent x d x itemsize`` (dispatch + combine) and the same again in backward, where sent
 = kept (token, choice) pairs of this rank's tokens whose expert lives on another rank. Under uniform routing that
-is ``(n-1)/n`` of the dispatched bytes, as :func:`whale.plan.cost.all_to_all_time` models it.
+is ``(n-1)/n`` of the dispatched bytes, as :func:`whale.planner.steptime.cost.all_to_all_time` models it.
 
 Gradients: the router is data parallel (its gradient is summed over every lane of the stage, like a replicate
 parameter: its module sets ``data_parallel = True``, so :class:`whale.parallel.regions.SplitRuntime` leaves it

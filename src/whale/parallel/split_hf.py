@@ -6,7 +6,7 @@ projections column-parallel, the last one row-parallel, one all-reduce per modul
 
 Why our own rules rather than torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``:
 those shard parameters as DTensors over a DeviceMesh in equal pieces. Whale cuts uneven, hardware-aware shards
-(sized by device speed within memory, :mod:`whale.plan.hardware`) and bridges a split region's rows to the
+(sized by device speed within memory, :mod:`whale.planner.hardware`) and bridges a split region's rows to the
 data-parallel ranks around it (:mod:`whale.parallel.bridge`); its split layers
 (:class:`~whale.parallel.split.ColumnParallelLinear`, :class:`~whale.parallel.split.RowParallelLinear`) already
 do both, so these rules only decide the cuts, in whole heads (see :mod:`whale.parallel.split`'s docstring).

@@ -20,7 +20,7 @@ where m is the number of elements per index of the sharded dim (numel of the sha
 
 Byte convention (:data:`comm_bytes`, and the bridges of :mod:`whale.parallel.bridge`): the bytes handed to a
 collective are the size of the result buffer it fills on this rank, the S of the cost model's ring formulas
-(:mod:`whale.plan.cost`): for an all-reduce the reduced tensor; for an all-gather the whole gathered tensor,
+(:mod:`whale.planner.steptime.cost`): for an all-reduce the reduced tensor; for an all-gather the whole gathered tensor,
 padded (n × max(sizes) slices: gloo needs equal shapes, so uneven shards are padded to the largest). On the
 wire a ring all-reduce of S bytes sends 2(n−1)/n × S per rank and a ring all-gather of S bytes (n−1)/n × S.
 
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from whale.plan.balance import whole_shares
+from whale.plan.shares import whole_shares
 
 comm_bytes: Counter = Counter()
 """Bytes this process handed to split collectives (result buffer sizes, see the module docstring), by kind:
@@ -54,7 +54,7 @@ def shard_sizes(dim_size: int, n: int, weights: list[float] | None = None) -> li
     """Whole shard sizes for cutting a dim of ``dim_size`` elements into ``n`` shards, adding up to ``dim_size``.
 
     Equal by default; with ``weights`` (e.g. device FLOPS, for hardware-aware shares) following them. Every
-    shard gets at least one element. Both by :func:`whale.plan.balance.whole_shares` (the shares minimizing
+    shard gets at least one element. Both by :func:`whale.plan.shares.whole_shares` (the shares minimizing
     the slowest shard's ``size / weight`` exactly, ties to the lower index).
 
     Raises:

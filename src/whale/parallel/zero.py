@@ -4,8 +4,8 @@
 Layout. The stage's replicated parameters (those whose gradients :class:`~whale.parallel.data.GradSync` sums
 over the stage's lanes; not split shards, whose state is already cut) are bucketed by GradSync; each bucket's
 parameters become views of one flat buffer with the bucket's offsets. The bucket's ``N`` elements are cut into
-contiguous lane ranges by :func:`whale.plan.zero.whole_shares` of the plan's ``zero_weights`` (sized by each
-device's free memory, :mod:`whale.plan.zero`). A lane owns its range of every bucket, so its share of the state
+contiguous lane ranges by :func:`whale.plan.shares.whole_shares` of the plan's ``zero_weights`` (sized by each
+device's free memory, :mod:`whale.planner.zero`). A lane owns its range of every bucket, so its share of the state
 is its weight's share. A parameter tied across stages (an input embedding and LM head) is summed over every
 rank of every stage holding it; its bucket is sliced over that group, each rank by its share of its own stage.
 A rank's *pieces*: one ``nn.Parameter`` per model parameter overlapping its ranges, a view of that part of the
@@ -49,7 +49,8 @@ from torch import nn
 
 from whale.parallel.data import GradSync, _Bucket
 from whale.plan.plan import Plan
-from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.plan.shares import whole_shares
+from whale.planner.zero import zero_shard_weights
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)
@@ -293,33 +294,6 @@ class ShardedGradSync(GradSync):
                 b.attach()
         if self.zero is not None:
             self.zero.zero_grad()
-
-
-def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
-                    bucket_cap_mb: float, module: nn.Module | None = None) -> tuple[GradSync, ZeroShards | None]:
-    """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
-    re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
-    stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
-    rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
-    parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
-    split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
-    :func:`whale.parallel.zero3_sync.build_zero3` over the stage ``module`` instead.
-
-    Raises:
-        ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
-    """
-    if not plan.zero:
-        return GradSync(param_groups, bucket_cap_mb), None
-    check_optimizer(optimizer)
-    if plan.zero >= 3:
-        from whale.parallel.zero3_sync import build_zero3  # noqa: PLC0415 - zero3 builds on this module
-
-        return build_zero3(plan, param_groups, lanes_group, tied_groups, optimizer, bucket_cap_mb, module)
-    sync = ShardedGradSync(param_groups, bucket_cap_mb)
-    sync.zero = shard_buckets(plan, sync, lanes_group, tied_groups, {id(p) for p in param_groups[0][1]}, plan.zero)
-    if sync.zero is not None:
-        sync.zero.bind(optimizer)
-    return sync, sync.zero
 
 
 def shard_buckets(plan: Plan, sync: GradSync, lanes_group, tied_groups: list, own: set[int],

@@ -1,6 +1,6 @@
 """ZeRO stage 3 over one pipeline stage's data-parallel lanes: parameters sharded, each *unit* gathered before
 its forward and its backward and freed after, with uneven, hardware-aware shards (Rajbhandari et al., "ZeRO",
-SC 2020; ZeRO-1/2 and the shard sizes: :mod:`whale.parallel.zero`, :mod:`whale.plan.zero`).
+SC 2020; ZeRO-1/2 and the shard sizes: :mod:`whale.parallel.zero`, :mod:`whale.planner.zero`).
 
 Units (what is gathered at once). Without a pipeline the stage module is the user's model: every repeated layer
 (each child of a ``ModuleList``/``Sequential`` that holds parameters, e.g. every transformer block:
@@ -10,7 +10,7 @@ head) form the *root* unit of the stage module. A pipeline stage is a traced gra
 directly, not through module calls, so there the whole stage module is one unit.
 Each unit's parameters (the stage's replicated ones: not split shards, already cut, and not parameters tied
 across stages, whose values stay whole while their gradients and optimizer state are sliced over the tie group
-as under ZeRO-2: :attr:`Zero3Shards.tied`, :mod:`whale.parallel.zero3_sync`) become views of one flat
+as under ZeRO-2: :attr:`Zero3Shards.tied`, :mod:`whale.parallel.zero_sync`) become views of one flat
 buffer; each lane keeps its range of it (sized by free device memory: the plan's ``zero_weights``) in its own
 *shard*, and the full buffer's storage exists only while the unit is gathered (layout and collectives:
 :mod:`whale.parallel.zero3_unit`).

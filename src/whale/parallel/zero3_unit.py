@@ -1,7 +1,7 @@
 """One ZeRO-3 *unit* (:mod:`whale.parallel.zero3`): its parameters as views of one flat buffer, this lane's shard
 of it, and the collectives that gather it and reduce-scatter its gradients.
 
-Layout: the unit's ``N`` elements are cut at ``bounds`` (:func:`~whale.plan.zero.whole_shares` of the lanes'
+Layout: the unit's ``N`` elements are cut at ``bounds`` (:func:`~whale.plan.shares.whole_shares` of the lanes'
 weights); lane ``g`` owns ``bounds[g]:bounds[g + 1]`` and keeps it in its own *shard*; the flat buffer's storage
 exists only while the unit is gathered (``untyped_storage().resize_``, so autograd's saved references to the
 parameters see the data again in backward).
@@ -24,7 +24,7 @@ from torch import nn
 from whale.memory.checkpointing import repeated_layers
 from whale.parallel.zero import _Piece
 from whale.parallel.zero3_check import Zero3Error
-from whale.plan.zero import whole_shares
+from whale.plan.shares import whole_shares
 
 
 class Call:

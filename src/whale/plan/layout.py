@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from whale.plan.checks import PlanError
+from whale.plan.shares import whole_shares
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,12 @@ class PlanLayout:
 
         The global batch is cut into ``num_micro_batch`` equal micro-batches; each micro-batch is cut across
         the stage's lanes by its lane weights (speeds) with whole rows that add up exactly, at least one per lane,
-        minimizing the slowest lane's ``rows / weight`` (:func:`whale.plan.balance.whole_shares`), in lane order.
+        minimizing the slowest lane's ``rows / weight`` (:func:`whale.plan.shares.whole_shares`), in lane order.
 
         Raises:
             PlanError: the batch does not divide into micro-batches, or a micro-batch has fewer rows than
                 some stage has lanes (some lane would get no rows).
         """
-        from whale.plan.balance import whole_shares  # balance imports PlanError from the plan
-
         m = self.num_micro_batch
         lanes = self.max_lanes
         smallest = m * lanes

@@ -34,6 +34,7 @@ from whale.plan.checks import (
     _seq,
 )
 from whale.plan.layout import PlanLayout
+from whale.plan.printing import format_plan
 from whale.plan.schedule import RUNNABLE_SCHEDULES, ScheduleName
 from whale.plan.validation import PlanChecks
 
@@ -120,8 +121,8 @@ class SharedParam(_Checked):
 @dataclass(frozen=True)
 class MoELayer(_Checked):
     """A Mixture-of-Experts layer (:class:`whale.MoE`) under ``split``: expert parallelism over the split group.
-    Its experts per device are ``whale.plan.experts.expert_counts(num_experts, shard weights of its split)``,
-    derived from the plan, never stored twice.
+    Its experts per device are the whole units of its split's shard weights (at least one each,
+    :func:`whale.plan.shares.whole_shares`), derived from the plan, never stored twice.
 
     Attributes:
         module: the layer's FQN (a split target of some stage).
@@ -206,7 +207,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             1 optimizer state sharded, 2 also gradients (reduce-scatter), 3 also parameters (gathered per unit
             before use, freed after); see :mod:`whale.parallel.zero` and :mod:`whale.parallel.zero3`.
         zero_weights: with ``zero >= 1``, per stage the relative shard size of each of its lanes (numbers >= 0,
-            by lane index; empty = equal shards), sized by device memory (:mod:`whale.plan.zero`).
+            by lane index; empty = equal shards), sized by device memory (:mod:`whale.planner.zero`).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the autocast dtype of every stage's forward (fp16 with
             dynamic loss scaling; see :mod:`whale.runtime.precision`). Parameters stay fp32.
         activation_checkpoint: FQNs of the modules whose activations are recomputed in backward
@@ -338,8 +339,6 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         return cls.from_dict(data)
 
     def __str__(self) -> str:
-        from whale.plan.printing import format_plan
-
         return format_plan(self)
 
 

@@ -1,11 +1,20 @@
-"""Readable printout of a :class:`~whale.plan.plan.Plan`."""
+"""Readable printout of a :class:`~whale.plan.plan.Plan` (its ``__str__``).
+
+Everything printed is read off the plan's fields or derived by the contract's own rules (the layout, and the
+whole units of :func:`whale.plan.shares.whole_shares`); nothing here plans. The plan module imports this one, so
+the types below are imported for type checkers only.
+"""
 
 from __future__ import annotations
 
 import textwrap
+from typing import TYPE_CHECKING
 
-from whale.plan.plan import Plan, TaskGraph
+from whale.plan.shares import whole_shares
 from whale.units import format_bytes
+
+if TYPE_CHECKING:  # plan.py imports this module for Plan.__str__
+    from whale.plan.plan import Plan, TaskGraph
 
 
 def _layout(plan: Plan) -> str:
@@ -147,7 +156,7 @@ def _lane_rows(plan: Plan) -> list[str]:
 
 def _shard_rows(plan: Plan) -> list[str]:
     """Relative shard weights of each split over several devices (each sharded dim is cut into whole
-    elements by :func:`whale.plan.balance.whole_shares` of these weights)."""
+    elements by :func:`whale.plan.shares.whole_shares` of these weights)."""
     rows = []
     for tg in plan.task_graphs:
         for what, weights in [(f"TG {tg.index} split", tg.shard_weights)] + [
@@ -159,17 +168,16 @@ def _shard_rows(plan: Plan) -> list[str]:
 
 
 def _expert_rows(plan: Plan) -> list[str]:
-    """Per MoE layer under split: experts per device of its split group (from the shard weights, as the runtime
-    cuts them: :func:`whale.plan.experts.expert_counts`)."""
-    from whale.plan.experts import expert_counts
-
+    """Per MoE layer under split: experts per device of its split group: whole units of its shard weights, at
+    least one each (:func:`whale.plan.shares.whole_shares`, as the runtime cuts the stacked expert tensors and
+    :func:`whale.planner.experts.expert_counts` places them)."""
     rows = []
     for layer in plan.moe_layers:
         weights = next((w for s in range(plan.num_stages) for name, w in plan.split_targets(s)
                         if name == layer.module), ())
         stage = next(s for s in range(plan.num_stages) if layer.module in dict(plan.split_targets(s)))
         n = plan.stage_width if plan.uniform_width else 1
-        counts = expert_counts(layer.num_experts, list(weights) or [1.0] * n)
+        counts = whole_shares(layer.num_experts, list(weights) or [1.0] * n, min_share=1)
         how = "hardware-aware" if len(set(weights)) > 1 else "equal"
         ranks = [plan.rank_of(stage, j) for j in range(n)]
         where = [f"{c} (rank {r}{' ' + plan.devices[r] if plan.devices else ''})" for c, r in zip(counts, ranks,

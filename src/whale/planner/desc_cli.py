@@ -65,7 +65,7 @@ def load_shape(text: str):
 
 def _pool(ns: argparse.Namespace):
     from whale.cluster import CATALOG, ClusterSpec
-    from whale.plan.estimate import DevicePool, pool_from_cluster
+    from whale.planner.steptime.estimate import DevicePool, pool_from_cluster
 
     if ns.cluster:
         return pool_from_cluster(ClusterSpec.from_yaml(ns.cluster), "bf16")
@@ -81,8 +81,8 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
 
     Raises:
         ValueError: a bad description, degree or cluster; NoFeasiblePlanError: nothing fits."""
-    from whale.plan.memory import MemoryOptions
-    from whale.plan.search import Constraints, enumerate_candidates, search
+    from whale.planner.memory import MemoryOptions
+    from whale.planner.search import Constraints, enumerate_candidates, search
     from whale.planner.legality import check_split
     from whale.planner.roofline import Roofline
     from whale.planner.transformer_estimate import TransformerEstimator
@@ -116,7 +116,7 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
 
 def run_desc(ns: argparse.Namespace, simulate: bool = False) -> int:
     """Print :func:`describe_run` (JSON with ``--json``); a bad input prints one line and returns 2."""
-    from whale.plan.balance import InfeasiblePlanError
+    from whale.planner.balance import InfeasiblePlanError
 
     name = "simulate" if simulate else "plan"
     try:

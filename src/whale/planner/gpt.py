@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from whale.plan.model_desc import LayerDesc, ModelDesc, ModelDescError
+from whale.planner.model_desc import LayerDesc, ModelDesc, ModelDescError
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class GPTShape:
         return "gpt:" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def model_desc(self, act_bytes: int = 2) -> ModelDesc:
-        """The layers as a :class:`~whale.plan.model_desc.ModelDesc`: ``embed`` (kind ``"vocab"``), per block
+        """The layers as a :class:`~whale.planner.model_desc.ModelDesc`: ``embed`` (kind ``"vocab"``), per block
         ``h.i.attn`` and ``h.i.mlp``, ``head`` (``"vocab"``, the tied projection and the loss). Per sample:
         forward+backward FLOPs (3 x forward; recompute is the estimator's), parameter elements, activation
         bytes (Korthikanti et al. 2022, no parallelism, no recompute: attention 11·s·h + 5·a·s², MLP 19·s·h

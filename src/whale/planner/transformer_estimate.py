@@ -2,7 +2,7 @@
 gradient sync, optimizer step, memory check) with a roofline per device type for compute and the
 Korthikanti et al. memory accounting (issue 28).
 
-:class:`TransformerEstimator` keeps :class:`whale.plan.estimate.DefaultEstimator`'s structure and replaces,
+:class:`TransformerEstimator` keeps :class:`whale.planner.steptime.estimate.DefaultEstimator`'s structure and replaces,
 for a :class:`whale.planner.gpt.GPTShape` (layers ``embed``, ``h.i.attn``, ``h.i.mlp``, ``head``):
 
 - compute of a micro-batch: :mod:`whale.planner.roofline` per unit (the embedding and LM head vocab-parallel);
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from whale.plan.cost import p2p_time, ring_allgather_time, ring_allreduce_time
-from whale.plan.estimate import DefaultEstimator, DevicePool
-from whale.plan.search import Candidate, Estimate
+from whale.planner.steptime.cost import p2p_time, ring_allgather_time, ring_allreduce_time
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
+from whale.planner.search import Candidate, Estimate
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import split_legal
 from whale.planner.roofline import Roofline, attention_seconds, embedding_seconds, ffn_seconds, head_seconds
@@ -169,7 +169,7 @@ class TransformerEstimator(DefaultEstimator):
 
     def _coeffs(self, a: int, b: int, t: int, d: int, options) -> tuple[float, float, float, float]:
         """``(fixed, per row per in-flight micro-batch, per row once, host)`` bytes of one device of stage
-        [a, b) (see :meth:`whale.plan.estimate.DefaultEstimator._coeffs`), from :func:`stage_peak`."""
+        [a, b) (see :meth:`whale.planner.steptime.estimate.DefaultEstimator._coeffs`), from :func:`stage_peak`."""
         sh = self.shape
         emb, n_att, n_ffn, head = self._units(a, b)
         elems = self._stage(a, b, t).elements + (sh.vocab * sh.hidden / t if head and a > 0 else 0.0)
@@ -190,7 +190,7 @@ class TransformerEstimator(DefaultEstimator):
         return (fixed * ALLOCATOR_OVERHEAD, per_flight * ALLOCATOR_OVERHEAD, once * ALLOCATOR_OVERHEAD, optim_host)
 
     def _runtime_extra(self, elems: float, d: int, options) -> float:
-        """Bytes the runtime holds beyond :func:`model_state_bytes`' ZeRO rule (:mod:`whale.plan.memory`):
+        """Bytes the runtime holds beyond :func:`model_state_bytes`' ZeRO rule (:mod:`whale.planner.memory`):
         ZeRO-2 keeps whole gradients until the last micro-batch's backward (so its peak holds them beside the
         slice), ZeRO-3 gathers a pipelined stage's 16-bit weights whole."""
         g = 4.0 if self.fp32_grads or self.precision == "fp32" else 2.0

@@ -9,36 +9,13 @@ made under emulation says so.
 from __future__ import annotations
 
 import collections
-import os
 import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
-from whale.cluster import ClusterSpec, emulation_delays
-
-
-def emulation_cores(cores: float | None = None) -> float:
-    """The core count emulation plans for: ``cores`` if given, else ``WHALE_EMULATION_CORES`` (a finite number
-    >= 0.1, fractions allowed), else the machine's CPU count.
-
-    Raises:
-        ValueError: ``WHALE_EMULATION_CORES`` (or ``cores``) is not a finite number >= 0.1 (fewer cores would
-            slow every rank more than 10x per core given up: a hang in all but name).
-    """
-    if cores is None:
-        raw = os.environ.get("WHALE_EMULATION_CORES", "").strip()
-        if not raw:
-            return float(os.cpu_count() or 1)
-        try:
-            cores = float(raw)
-        except ValueError:
-            raise ValueError(f"WHALE_EMULATION_CORES={raw!r} is not a number; set it to the CPU cores the "
-                             f"emulated ranks may use (e.g. 2), or unset it to use all {os.cpu_count()}") from None
-    if not 0.1 <= cores < float("inf"):
-        raise ValueError(f"emulation cores must be a finite number >= 0.1, got {cores}; set "
-                         f"WHALE_EMULATION_CORES to the CPU cores the emulated ranks may use (e.g. 2) or unset it")
-    return float(cores)
+from whale.cluster import ClusterSpec, emulation_cores, emulation_delays
 
 
 def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, cores: float | None = None) -> float:
@@ -48,9 +25,9 @@ def emulation_slowdown(cluster: ClusterSpec | None, rank: int, world_size: int, 
     after each compute segment of ``t`` seconds. When the ranks outnumber the CPU cores, every rank is slowed
     by a further ``world / cores`` so that the cores are never oversubscribed and each rank's compute runs at
     full single-core speed: the wait becomes ``t * (base * s_max/s_i - 1)`` with ``base = world / cores``.
-    Ratios between ranks stay those of the declared devices; absolute speed is not emulated. ``cores``
-    defaults to ``WHALE_EMULATION_CORES`` or the machine's CPU count (:func:`emulation_cores`; set it lower on
-    a shared machine to leave headroom).
+    Ratios between ranks stay those of the declared devices; absolute speed is not emulated. ``cores`` defaults to
+    ``WHALE_EMULATION_CORES`` or the machine's CPU count (:func:`whale.cluster.emulation_cores`; set it lower on a
+    shared machine to leave headroom).
 
     Raises:
         ValueError: a bad ``WHALE_EMULATION_CORES``.
@@ -66,8 +43,6 @@ def measure_unit_time(size: int = 160, repeats: int = 40) -> float:
     real speed, for :func:`calibrated_slowdowns`. The fastest of ``repeats`` timings of thread CPU time (the
     usual estimator of a machine's intrinsic speed: interference only ever adds time). Call it on every rank
     at once (after a barrier), so that all ranks probe under the same host load."""
-    import torch
-
     a, b = torch.randn(size, size), torch.randn(size, size)
     times = []
     for _ in range(repeats):
@@ -163,7 +138,7 @@ class EmulatedDevice:
 
     def segment_cpu_seconds(self) -> dict:
         """Per segment key, the median CPU seconds of its kept segments (what :meth:`wait` stretches): the
-        engine's own compute timings, read by the engine calibration (:mod:`whale.frontend.calibrate_engine`)."""
+        engine's own compute timings, read by the engine calibration (:mod:`whale.calibration.engine`)."""
         return {key: statistics.median(hist) for key, hist in self._history.items()}
 
     def wait(self, key, wall0: float, cpu0: float, cpu_seconds: float) -> float:

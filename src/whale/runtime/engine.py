@@ -25,7 +25,7 @@ from whale.parallel.data import broadcast_params
 from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
 from whale.parallel.regions import SplitRuntime
 from whale.parallel.stages import build_stage
-from whale.parallel.zero import build_grad_sync
+from whale.parallel.zero_sync import build_grad_sync
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import make_schedule
 from whale.runtime import checkpoint, heartbeat

@@ -34,6 +34,7 @@ from whale.parallel.bridge import SplitRegion
 from whale.parallel.split_ops import all_gather
 from whale.parallel.split_state import _fused_parts, _unfuse, declared_layout
 from whale.plan.plan import Plan
+from whale.runtime.zero_state import piece_ranges, whole_zero_state
 
 MODEL, OPTIM = "model/", "optim/"
 
@@ -127,11 +128,7 @@ def _param_slots(slots: list[Slot]) -> dict[int, Slot]:
 
 def _piece_ranges(zero) -> dict[int, tuple[nn.Parameter, int, int]]:
     """Under ZeRO (any stage), :func:`whale.runtime.zero_state.piece_ranges`; else ``{}``."""
-    if zero is None:
-        return {}
-    from whale.runtime.zero_state import piece_ranges
-
-    return piece_ranges(zero)
+    return {} if zero is None else piece_ranges(zero)
 
 
 def whole_model_state(slots: list[Slot]) -> dict[str, torch.Tensor]:
@@ -168,9 +165,7 @@ def whole_optim_state(optimizer: torch.optim.Optimizer, slots: list[Slot], plan:
                 whole = slot.gather(v) if v.shape == p.shape else v.detach()
                 out[f"{OPTIM}{canon[id(p)]}/{key}"] = whole.cpu().clone()
     if zero is not None:
-        from whale.runtime.zero_state import whole_zero_state
-
-        out.update(whole_zero_state(optimizer, zero, canon))
+        out.update({OPTIM + key: v for key, v in whole_zero_state(optimizer, zero, canon).items()})
     return out
 
 

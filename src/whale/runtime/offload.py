@@ -45,6 +45,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from whale.memory.host import host_memory_capacity
+
 CATEGORY_OF_STATE = "host_optimizer_state"
 
 
@@ -172,8 +174,6 @@ def host_offload(engine) -> HostOffload | None:
     """The offload of ``engine`` (a :class:`whale.Engine`) under ``engine.plan.offload``, or ``None`` for
     ``"none"``; rebinds the engine's optimizer to host masters and registers the host tensors (and, under an
     emulated cluster, the rank's host capacity) with its memory monitor."""
-    from whale.memory.host import host_memory_capacity
-
     plan, ctx = engine.plan, engine.ctx
     if plan.offload == "none":
         return None

@@ -1,6 +1,6 @@
 """Measured step times of one rank: the per-stage busy/idle report and profile-guided re-balancing.
 
-The arithmetic of re-balancing is the pure planner function :func:`whale.plan.hardware.rebalance`; this module
+The arithmetic of re-balancing is the pure planner function :func:`whale.planner.hardware.rebalance`; this module
 only keeps the measurements and gathers them from every rank.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from whale.plan import hardware
 from whale.plan.plan import Plan
+from whale.planner import hardware
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.runtime.fqn_state import OPTIM
-
 
 @dataclass
 class Flat:
@@ -128,10 +126,11 @@ def _flat_state(optimizer, f: Flat) -> dict[tuple[int, str], torch.Tensor]:
 
 
 def whole_zero_state(optimizer, zero, canon: dict[int, str]) -> dict[str, torch.Tensor]:
-    """``{"optim/<canonical fqn>/<key>": whole CPU tensor}`` for every parameter ZeRO manages (collective over
-    each flat buffer's group, buffers in :func:`flats` order)."""
+    """``{"<canonical fqn>/<key>": whole CPU tensor}`` for every parameter ZeRO manages (collective over each flat
+    buffer's group, buffers in :func:`flats` order); :func:`whale.runtime.fqn_state.whole_optim_state` files them
+    under ``optim/``."""
     out = {}
     for f in flats(zero):
         for (i, key), t in _flat_state(optimizer, f).items():
-            out[f"{OPTIM}{canon[id(f.params[i])]}/{key}"] = t
+            out[f"{canon[id(f.params[i])]}/{key}"] = t
     return out

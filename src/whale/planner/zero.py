@@ -7,7 +7,7 @@ stage shards over its own lanes. ZeRO cuts the state evenly; on a cluster that m
 the smallest device run out of memory first. Here each lane's shard follows its device's *free* memory, in the
 spirit of the Whale paper's Algorithm 1 (Jia et al., USENIX ATC 2022, §3.3) applied to memory: shares
 proportional to ``capacity_i - unsharded_i`` (:func:`free_memory_shares`, as
-:func:`whale.plan.balance.whole_shares` makes batch shares follow speed), which minimizes the
+:func:`whale.plan.shares.whole_shares` makes batch shares follow speed), which minimizes the
 largest fraction of any device's free memory the state takes. With little unsharded the shares follow
 capacity: a 32 GB device holds about twice the state of a 16 GB one.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from whale.plan.balance import whole_shares  # noqa: F401  (re-exported: the ZeRO shards' whole elements per lane)
 from whale.plan.plan import Plan
 
 PARAM_BYTES, GRAD_BYTES, OPTIM_BYTES = 4, 4, 8  # per fp32 parameter element (Adam: exp_avg + exp_avg_sq)

@@ -1,14 +1,14 @@
 """Calibrate what the engine really costs: short real runs of the engine on calibration models (issue 13).
 
-Unit types timed in isolation (:mod:`whale.frontend.calibrate`) miss what a step inside the engine adds: the
+Unit types timed in isolation (:mod:`whale.calibration.units`) miss what a step inside the engine adds: the
 runtime's hooks and bookkeeping per segment, and under emulation the cold caches a core meets after every
 emulation wait (a segment's CPU seconds in a stretched run measure 1.4-2x the same work timed back to back).
 :func:`calibrate_engine` runs the real engine (:func:`whale.parallelize`) in spawned processes on calibration
 models of its own (:class:`CalibrationNet`: an embedding, ``nn.TransformerEncoderLayer`` blocks, a head; never
 the model being predicted), reads the engine's own per-segment CPU seconds (the emulator's,
 :meth:`whale.runtime.emulation.EmulatedDevice.segment_cpu_seconds`) and per-step times, and fits by least
-squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
-(:class:`whale.plan.calibration.EngineTiming`):
+squares (:func:`whale.calibration.units.fit_line`) a handful of global constants
+(:class:`whale.planner.calibration_cache.EngineTiming`):
 
 - per direction, engine CPU seconds of a segment = ``scale x X + overhead``, X the isolated unit seconds of
   the same segment (:func:`whale.frontend.simcost.model_costs`): a line through 1-rank runs whose segments
@@ -18,7 +18,7 @@ squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
   dominates the small segments of deep pipelines with many micro-batches (a 4-stage GPT at 2 rows per
   micro-batch: X 0.7 ms, engine 1.8-2.4 ms). Per model (:func:`calibrate_model`), the scales are refit from
   the model's own 2-rank data-parallel runs with the machine's intercepts kept, and take precedence for that
-  model (:meth:`whale.plan.calibration.Calibration.for_model`);
+  model (:meth:`whale.planner.calibration_cache.Calibration.for_model`);
 - per micro-batch, the executor's time outside segments (``micro_batch_overhead``; a line in the micro-batch
   count, its intercept going to the per-step overhead);
 - per step, the time after the schedule beyond the isolated optimizer step (``step_overhead``);
@@ -27,17 +27,33 @@ squares (:func:`whale.frontend.calibrate._line`) a handful of global constants
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
+import queue as q
 import statistics
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
-from whale.plan.calibration import Calibration, EngineTiming, cache_path
+from whale.annotation import replicate
+from whale.annotation import split as split_scope
+from whale.calibration.units import calibrate_units, fit_line, progress
+from whale.config import Config
+from whale.frontend.hwplan import sample_rows
+from whale.frontend.simcost import covers, model_costs
+from whale.frontend.unit_keys import rows_of, unit_keys
+from whale.loss import token_cross_entropy
+from whale.plan.plan import Plan
+from whale.planner.calibration_cache import Calibration, EngineTiming, cache_path
+from whale.runtime.context import init
+from whale.runtime.parallelize import parallelize
 
 STRETCH = 8.0
 """``1 + slowdown`` of the stretched calibration runs (the benchmark's emulated ranks run at 8-32)."""
@@ -64,19 +80,16 @@ class CalibrationNet(nn.Module):
 
     def __init__(self, d: int, layers: int = 2, split: int = 0, vocab: int = VOCAB) -> None:
         super().__init__()
-        import contextlib
-
-        import whale as wh
 
         def _block():
             return nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
 
-        with wh.replicate(split) if split > 1 else contextlib.nullcontext():
+        with replicate(split) if split > 1 else contextlib.nullcontext():
             self.emb = nn.Embedding(vocab, d)
             self.first = _block()
             self.mlp = None
             if split > 1:
-                with wh.split(split):
+                with split_scope(split):
                     self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
             self.rest = nn.ModuleList(_block() for _ in range(layers - 1))
             self.head = nn.Linear(d, vocab)
@@ -93,8 +106,6 @@ class CalibrationNet(nn.Module):
 
 def _sample(d: int, split: int = 0, layers: int = 2):
     """``(model, batch, loss)`` of a calibration run (same weights every time)."""
-    from whale.loss import token_cross_entropy
-
     torch.manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return CalibrationNet(d, layers, split=split), (x, x), token_cross_entropy()
@@ -103,8 +114,6 @@ def _sample(d: int, split: int = 0, layers: int = 2):
 def _replicated_plan(model: nn.Module, m: int, world: int):
     """A data-parallel plan over ``world`` ranks running every top-level module of ``model`` replicated (its
     annotations set aside), with ``m`` micro-batches: how any model runs for :func:`calibrate_model`."""
-    from whale.plan.plan import Plan
-
     names = [n for n, _ in model.named_children()]
     return Plan.from_json(json.dumps({
         "world_size": world, "num_replicas": world, "num_micro_batch": m, "schedule": "1F1B",
@@ -119,15 +128,11 @@ def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int, 
     (the emulator's) and wall seconds per emulated second (``wall / (1 + slowdown)``: what the emulation made of
     them, wake-up delays included), of the time outside segments within the schedule (``gap``) and of the time
     after it (``post``)."""
-    import torch.distributed as dist
-
-    import whale as wh
-
     slowdown = slowdowns[dist.get_rank()]
     model, batch, loss = _sample(*sample) if isinstance(sample[0], int) else copy.deepcopy(sample)  # fresh
     plan = None if isinstance(sample[0], int) else _replicated_plan(model, m, dist.get_world_size())
-    ctx = wh.init(wh.Config(num_micro_batch=m, seed=0, track_memory=tracked))
-    eng = wh.parallelize(model, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, plan=plan)
+    ctx = init(Config(num_micro_batch=m, seed=0, track_memory=tracked))
+    eng = parallelize(model, loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, plan=plan)
     eng.slowdown = slowdown
     gap, post, wall = [], [], {"F": [], "B": []}
     for i in range(warmup + steps):
@@ -149,8 +154,6 @@ def _run(sample, m: int, slowdowns: tuple[float, ...], warmup: int, steps: int, 
 def _worker(rank: int, world: int, init_file: str, runs: list[tuple], queue) -> None:
     """Run ``runs`` on this spawned rank; rank 0 reports ``(rank, "done", i)`` after run ``i``, then every
     rank its results (or its exception)."""
-    import torch.distributed as dist
-
     os.environ["OMP_NUM_THREADS"] = "1"
     for name in ("WHALE_CLUSTER", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a training job's, when run from one
         os.environ.pop(name, None)
@@ -183,8 +186,6 @@ def _describe(run: tuple) -> str:
 def _progress(what: str, runs: list[tuple], done: int, elapsed: float) -> None:
     """The progress line after ``done`` of ``runs`` (seconds ``elapsed``): the run, and the time left at the
     mean pace so far."""
-    from whale.frontend.calibrate import progress
-
     left = elapsed / done * (len(runs) - done)
     progress(f"{what} [{done}/{len(runs)}] {_describe(runs[done - 1])}: {elapsed:.0f} s so far, about "
              f"{left:.0f} s left")
@@ -192,16 +193,11 @@ def _progress(what: str, runs: list[tuple], done: int, elapsed: float) -> None:
 
 def _spawn(world: int, runs: list[tuple], timeout: float = 600.0, what: str = "engine run") -> list[list[dict]]:
     """``runs`` (``_run``'s arguments) on ``world`` spawned gloo processes; per rank, the results. A progress line
-    on stderr after each run (:func:`whale.frontend.calibrate.progress`, prefixed ``what``).
+    on stderr after each run (:func:`whale.calibration.units.progress`, prefixed ``what``).
 
     Raises:
         RuntimeError: a process failed or gave nothing within ``timeout`` seconds.
     """
-    import queue as q
-    import time
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     t0 = time.perf_counter()
@@ -231,12 +227,9 @@ def _spawn(world: int, runs: list[tuple], timeout: float = 600.0, what: str = "e
 
 def _isolated(res: dict, calib: Calibration, sample=None, tracked: bool = False) -> tuple[float, float, int]:
     """``(X forward, X backward, split modules)``: the isolated unit seconds of one micro-batch of the run's
-    (single-stage) plan on one lane, as :func:`whale.plan.simulate.segment_seconds` sums them; ``sample``: the
-    run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
+    (single-stage) plan on one lane, as :func:`whale.planner.steptime.simulate.segment_seconds` sums them; ``sample``:
+    the run's ``(model, batch, loss)`` (default: its :class:`CalibrationNet`); ``tracked``: the units' timings under
     the memory tracker."""
-    from whale.frontend.simcost import model_costs
-    from whale.plan.plan import Plan
-
     model, batch, loss = sample or _sample(*res["sample"])
     plan = Plan.from_json(res["plan"])
     st = model_costs(model, plan, batch, loss, calib, tracked=tracked)[0][0]
@@ -246,9 +239,7 @@ def _isolated(res: dict, calib: Calibration, sample=None, tracked: bool = False)
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """``(scale, overhead)`` of the least-squares line ``y = overhead + scale x`` (both >= 0)."""
-    from whale.frontend.calibrate import _line
-
-    overhead, scale = _line([x for x, _ in points], [y for _, y in points])
+    overhead, scale = fit_line([x for x, _ in points], [y for _, y in points])
     return scale, overhead
 
 
@@ -262,9 +253,7 @@ def _relative_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """
     if len(xs) < 2 or min(ys) <= 0:
         raise ValueError(f"a line needs >= 2 points with y > 0, got {len(xs)} points, min y {min(ys, default=0)}")
-    from whale.frontend.calibrate import _line
-
-    return _line(xs, ys, [1.0 / y**2 for y in ys])
+    return fit_line(xs, ys, [1.0 / y**2 for y in ys])
 
 
 def _fit_segments(runs: list[dict], iso: list[tuple], overheads: dict | None = None) -> dict:
@@ -317,10 +306,8 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
     """``calib`` with the machine's engine fit (:func:`fit_engine`) measured here: 1-rank runs of
     :class:`CalibrationNet` (:data:`SAMPLES`, micro-batches :data:`MICRO_BATCHES`, without waits and
     stretched by :data:`STRETCH`) in one spawned process, 2-rank split runs (:data:`SPLIT_MICRO_BATCHES`) in
-    two; the calibration models' unit types are timed too (:func:`whale.frontend.calibrate.calibrate_units`).
+    two; the calibration models' unit types are timed too (:func:`whale.calibration.units.calibrate_units`).
     About 2 minutes on 2 cores; nothing is saved here."""
-    from whale.frontend.calibrate import calibrate_units, progress
-
     runs = [((d, 0, n), m, (s,), warmup, steps) for s in (0.0, STRETCH - 1) for d, n in SAMPLES for m in MICRO_BATCHES]
     split_runs = [(SPLIT_SAMPLE, m, UNEQUAL, warmup, steps) for m in SPLIT_MICRO_BATCHES]
     progress(f"measuring this machine's engine fit, once (cached in {cache_path()}): {len(runs)} one-rank and "
@@ -351,17 +338,11 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
         ValueError: ``calib`` lacks some of the model's unit timings (calibrate them first).
     """
-    from whale.frontend.calibrate import _rows_of, unit_keys
-    from whale.frontend.hwplan import sample_rows
-    from whale.frontend.simcost import covers
-
     if not covers(calib, unit_keys(model, sample_batch, None, loss_fn, tracked), loss_fn):
         raise ValueError("the calibration lacks some of this model's unit timings; calibrate its units first "
-                         "(whale.frontend.calibrate.calibration)")
-    from whale.frontend.calibrate import progress
-
+                         "(whale.calibration.measure.calibration)")
     full = sample_rows(sample_batch)
-    sample = (model, _rows_of(sample_batch, min(full, MODEL_ROWS), full), loss_fn)
+    sample = (model, rows_of(sample_batch, min(full, MODEL_ROWS), full), loss_fn)
     runs = [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL) for m in SPLIT_MICRO_BATCHES]
     progress(f"measuring the engine fit of this model ({type(model).__name__}), once per model (cached in "
              f"{cache_path()}): {len(runs)} two-rank data-parallel runs of its first {min(full, MODEL_ROWS)} rows, "

@@ -2,17 +2,17 @@
 
 :func:`predict` is a pure function of a :class:`~whale.plan.plan.Plan`, per-stage costs (:class:`StageCost`,
 measured seconds on the calibration machine, see :mod:`whale.frontend.simcost`), a cluster spec and a
-:class:`~whale.plan.calibration.Calibration`. It returns a :class:`Prediction`: step seconds, per stage the
+:class:`~whale.planner.calibration_cache.Calibration`. It returns a :class:`Prediction`: step seconds, per stage the
 forward/backward seconds of one micro-batch, per rank busy and idle seconds, communication seconds by kind and
-(given the stages' memory) per-rank peak bytes from :func:`whale.plan.memory.plan_memory`.
+(given the stages' memory) per-rank peak bytes from :func:`whale.planner.memory.plan_memory`.
 
 The step, as the runtime runs it:
 
 1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule.simulate_lanes`):
    compute = :func:`segment_seconds` (a split stage's lanes at the pace of their replica's slowest, plus its
-   collectives); transfers = :func:`whale.plan.cost.p2p_time`; ZeRO-3 all-gathers before every segment;
+   collectives); transfers = :func:`whale.planner.steptime.cost.p2p_time`; ZeRO-3 all-gathers before every segment;
 2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB, then 25 MiB) ready in turn
-   and reduced in order (:func:`whale.plan.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
+   and reduced in order (:func:`whale.planner.steptime.cost.bucketed_allreduce_finish`; ZeRO-2/3 reduce-scatter);
 3. the optimizer step on the rank's share (after offload's copies), then ZeRO's all-gather of the parameters.
 
 Speed factor of a rank (seconds there per measured second here): under emulation (``cluster.emulate``) what
@@ -28,11 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, emulation_delays
-from whale.plan import cost
-from whale.plan.calibration import Calibration
-from whale.plan.memory import PCIE_BANDWIDTH, MemoryOptions, StageMemory, plan_memory
 from whale.plan.plan import Plan
 from whale.plan.schedule import make_schedule, simulate_lanes
+from whale.planner.calibration_cache import Calibration
+from whale.planner.memory import MemoryOptions, StageMemory, plan_memory
+from whale.planner.steptime import cost
+from whale.planner.steptime.memory_time import PCIE_BANDWIDTH
 
 FIRST_BUCKET, BUCKET = 2**20, 25 * 2**20
 """Gradient bucket caps, bytes (:class:`whale.parallel.data.GradientSync` defaults)."""
@@ -54,7 +55,8 @@ class StageCost:
         trainable_elements: parameter elements with gradients (what is all-reduced and updated).
         recompute_per_row: forward seconds per sample of the checkpointable layers (activation checkpointing).
         split_bytes, split_in_bytes, split_modules: output / input bytes per sample summed over the stage's split
-            modules, and their count (:func:`whale.plan.cost.split_module_comm_time`, per micro-batch and way).
+            modules, and their count (:func:`whale.planner.steptime.cost.split_module_comm_time`, per micro-batch and
+            way).
     """
 
     fwd_per_row: float
@@ -113,7 +115,7 @@ def speed_factors(cluster: ClusterSpec | None, calib: Calibration, world: int, c
     """Per rank, seconds there per second measured on the calibration machine (see the module docstring).
 
     Args:
-        cores: CPU cores emulated ranks share (:func:`whale.runtime.emulation.emulation_cores`).
+        cores: CPU cores emulated ranks share (:func:`whale.cluster.emulation_cores`).
 
     Raises:
         ValueError: ``cores`` below 0.1 or a cluster of another size than ``world``.
@@ -149,8 +151,8 @@ def _rows(plan: Plan, global_batch: int) -> list[list[list[int]]]:
 
 def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, calib: Calibration,
                     factor) -> None:
-    """Add a split stage's collectives in place (:func:`whale.plan.cost.split_module_comm_time` per split module,
-    micro-batch and direction, over each replica's ``width`` lanes). Under emulation they are waits off the CPU
+    """Add a split stage's collectives in place (:func:`whale.planner.steptime.cost.split_module_comm_time` per split
+    module, micro-batch and direction, over each replica's ``width`` lanes). Under emulation they are waits off the CPU
     that the stretch absorbs (:mod:`whale.runtime.emulation`): ``max(stretched, CPU seconds + collectives)``."""
     n = plan.width_of(s)
     if n < 2 or st.split_modules == 0:
@@ -174,8 +176,8 @@ def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibratio
     """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
     speed factor ``factor`` (seconds there per measured second). X = the units' overheads + rows x seconds per
     row (+ the recomputed forward under activation checkpointing); ``factor x engine seconds(X) + micro-batch
-    overhead / 2`` with the engine fit (:class:`whale.plan.calibration.EngineTiming`), else ``factor x (segment
-    overhead + X)``. The one home of the calibrated compute formula (also :mod:`whale.plan.calibrated`)."""
+    overhead / 2`` with the engine fit (:class:`whale.planner.calibration_cache.EngineTiming`), else ``factor x (segment
+    overhead + X)``. The one home of the calibrated compute formula (also :mod:`whale.planner.steptime.calibrated`)."""
     extra = st.recompute_per_row if checkpoint else 0.0
     f = st.fwd_overhead + rows * st.fwd_per_row
     b = st.bwd_overhead + rows * (st.bwd_per_row + extra)
@@ -331,8 +333,8 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
     Args:
         stages: one :class:`StageCost` per pipeline stage.
         cluster: the cluster (``None``: the calibration machine itself, one thread per rank).
-        calib: measured costs (:mod:`whale.plan.calibration`).
-        memory: per stage, :class:`whale.plan.memory.StageMemory` for the per-rank peak bytes (optional).
+        calib: measured costs (:mod:`whale.planner.calibration_cache`).
+        memory: per stage, :class:`whale.planner.memory.StageMemory` for the per-rank peak bytes (optional).
         cores: CPU cores the emulated ranks share (emulated clusters only).
         factors: per rank, seconds there per measured second, overriding :func:`speed_factors` (e.g. an
             emulated run's actual ``1 + engine.slowdown``, which the runtime calibrates to each core's speed).

@@ -1,33 +1,39 @@
-"""Measure the calibration of the step-time model on this machine (:class:`whale.plan.calibration.Calibration`).
+"""Measure the per-unit costs of the step-time model on this machine (:class:`whale.planner.calibration_cache.
+Calibration`): seconds, on one thread.
 
 - :func:`calibrate_units`: one real forward of the model on a few rows captures every layer unit's inputs (the
-  units of :func:`whale.frontend.profile.default_units`); each unit type not yet cached is then timed alone,
-  forward and backward, at two row counts (CPU time of this thread, median of a few repeats), giving a fixed
-  overhead plus seconds per row and per FLOP. The loss is timed the same way. Seconds, on one thread.
+  units of :func:`whale.frontend.profile.default_units`, captured as :mod:`whale.frontend.unit_keys` keys them);
+  each unit type not yet cached is then timed alone, forward and backward, at two row counts (CPU time of this
+  thread, median of a few repeats), giving a fixed overhead plus seconds per row and per FLOP. The loss is timed
+  the same way.
 - :func:`measure_comm`: gloo point-to-point and all-reduce on localhost between two spawned processes
   (latency and bandwidth from a small and a large message): what communication costs emulated runs here.
 - :func:`measure_optimizer`: AdamW's step per parameter element.
 
-:func:`calibration` returns the cached calibration for this machine, measuring only what is missing.
+What is measured is cached by :func:`whale.calibration.measure.calibration`; the front end and the planner only
+read that cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
+import queue as q
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from whale.frontend.hwplan import profile, sample_rows
-from whale.frontend.profile import ModelProfile, default_units
-from whale.plan import calibration as cal
-from whale.plan.calibration import ENGINE_VERSION, Calibration, UnitTiming
+from whale.frontend.unit_keys import capture_unit_inputs, cut_rows, keys_of, rows_of
+from whale.memory.tracker import StorageTracker
+from whale.planner.calibration_cache import UnitTiming
 
 
 def progress(message: str) -> None:
@@ -45,10 +51,6 @@ def _cpu_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.thread_time() - t0)
     return statistics.median(times)
-
-
-def _cut(x, rows: int, full: int):
-    return x[:rows].detach() if isinstance(x, torch.Tensor) and x.dim() and x.size(0) == full else x
 
 
 def _leaf(x):
@@ -84,23 +86,7 @@ def _time_call(fn, args: tuple, kwargs: dict, repeats: int) -> tuple[float, floa
     return t_fwd, t_bwd
 
 
-def _capture(model: nn.Module, names: list[str], inputs) -> dict[str, tuple[tuple, dict]]:
-    """Every unit's (args, kwargs) in one real forward of ``model`` on ``inputs`` (no grad)."""
-    seen: dict[str, tuple[tuple, dict]] = {}
-    hooks = [model.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, k, n=n: seen.setdefault(n, (a, k)) and None, with_kwargs=True) for n in names]
-    try:
-        with torch.no_grad():
-            out = model(*inputs) if isinstance(inputs, tuple) else model(**inputs) if isinstance(inputs, dict) \
-                else model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    seen["<output>"] = ((out,), {})
-    return seen
-
-
-def _line(xs: list[float], ys: list[float], weights: list[float] | None = None) -> tuple[float, float]:
+def fit_line(xs: list[float], ys: list[float], weights: list[float] | None = None) -> tuple[float, float]:
     """Least-squares ``y = a + b x`` with ``a, b >= 0`` (a negative slope gives the flat line ``a`` = mean y;
     a negative intercept, the line through 0), weighted by ``weights`` (default all 1)."""
     w = weights or [1.0] * len(xs)
@@ -120,39 +106,10 @@ def _line(xs: list[float], ys: list[float], weights: list[float] | None = None) 
 
 def _fit(rows: list[int], times: list[tuple[float, float]], fwd_flops: float, bwd_flops: float) -> UnitTiming:
     """Overhead + per-row slope through the (forward, backward) timings at ``rows``."""
-    fo, fs = _line(rows, [t[0] for t in times])
-    bo, bs = _line(rows, [t[1] for t in times])
+    fo, fs = fit_line(rows, [t[0] for t in times])
+    bo, bs = fit_line(rows, [t[1] for t in times])
     return UnitTiming(fs, bs, fo, bo, fs / fwd_flops if fwd_flops > 0 else 0.0,
                       bs / bwd_flops if bwd_flops > 0 else 0.0)
-
-
-def unit_keys(model: nn.Module, sample_batch, prof: ModelProfile | None = None, loss_fn=None,
-              tracked: bool = False) -> dict[str, str]:
-    """Calibration key (:func:`whale.plan.calibration.unit_key`) of every profiled unit by name, ``"<rest>"``
-    for the loss (``|tracked`` appended with ``tracked``)."""
-    names = [u.name for u in (prof.units if prof else ())] or default_units(model)
-    seen = _capture(model, names, _rows_of(sample_batch[0], 1, sample_rows(sample_batch)))
-    return _keys(model, names, seen, loss_fn, tracked)
-
-
-def _keys(model, names, seen, loss_fn, tracked: bool = False) -> dict[str, str]:
-    tail = "|tracked" if tracked else ""
-
-    def shapes(args):
-        """Per-sample shapes (batch dim dropped) of the tensors in ``args``."""
-        return tuple(tuple(t.shape[1:]) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
-
-    out = {}
-    for n in names:
-        mod = model.get_submodule(n)
-        out[n] = cal.unit_key(type(mod), sum(p.numel() for p in mod.parameters()), shapes(seen.get(n, ((), {})))) + tail
-    loss_type = type(loss_fn) if loss_fn is not None else type(None)
-    out["<rest>"] = cal.unit_key(loss_type, 0, shapes(seen["<output>"])) + tail
-    return out
-
-
-def _rows_of(inputs, rows: int, full: int):
-    return tree_map(lambda x: _cut(x, rows, full), inputs)
 
 
 def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16, repeats: int = 7,
@@ -172,17 +129,13 @@ def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16
 
 
 def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked):
-    import contextlib
-
-    from whale.memory.tracker import StorageTracker
-
     full = sample_rows(sample_batch)
     rows = max(2, min(rows, full))
     prof = profile(model, sample_batch, rows=2, loss_fn=loss_fn)
     names = [u.name for u in prof.units]
-    seen = _capture(model, names, _rows_of(sample_batch[0], rows, full))
-    keys = _keys(model, names, seen, loss_fn, tracked)
-    target = _cut(sample_batch[1], rows, full)
+    seen = capture_unit_inputs(model, names, rows_of(sample_batch[0], rows, full))
+    keys = keys_of(model, names, seen, loss_fn, tracked)
+    target = cut_rows(sample_batch[1], rows, full)
     timings: dict[str, UnitTiming] = {}
     counts = sorted({max(1, rows // 4), max(1, rows // 2), rows})
     for u in (*prof.units, prof.rest):
@@ -197,7 +150,7 @@ def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked
         else:
             fn, (args, kwargs) = model.get_submodule(u.name), seen[u.name]
         with StorageTracker() if tracked else contextlib.nullcontext():
-            times = [_time_call(fn, *_rows_of((args, kwargs), r, rows), repeats) for r in counts]
+            times = [_time_call(fn, *rows_of((args, kwargs), r, rows), repeats) for r in counts]
         timings[key] = _fit(counts, times, u.forward_flops, u.backward_flops)
     model.zero_grad(set_to_none=True)
     return timings, keys
@@ -212,8 +165,6 @@ def measure_optimizer(elements: int = 1 << 20, repeats: int = 5) -> float:
 
 
 def _comm_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     res = {}
@@ -242,8 +193,6 @@ def _comm_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out)
 
 def _result(queue, procs, timeout: float = 120.0) -> dict:
     """The first result on ``queue``; RuntimeError when a process dies first or ``timeout`` seconds pass."""
-    import queue as q
-
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         try:
@@ -263,8 +212,6 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
     """gloo on localhost between two spawned processes: ``{"p2p_latency", "p2p_bandwidth", "allreduce_latency",
     "allreduce_bandwidth"}`` (seconds, bytes/s), from a ``small`` and a ``large`` message (bytes). A 2-rank ring
     all-reduce sends S bytes in 2 steps, so its latency is half the small message's time."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(dir=os.environ.get("WHALE_SCRATCH")) as tmp:
@@ -278,59 +225,3 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
     ar_lat = max(1e-6, res[("allreduce", small)] / 2)
     ar_bw = (large - small) / max(1e-9, res[("allreduce", large)] - res[("allreduce", small)])  # sent 2(n-1)/n S = S
     return {"p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
-
-
-def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None, rows: int = 16,
-                comm: bool = True, save: bool = True, tracked: bool = False,
-                keys: dict[str, str] | None = None, measure_engine: bool = True) -> Calibration:
-    """This machine's calibration: the cache's entry (:func:`whale.plan.calibration.load`) completed with what
-    is missing: the unit types of ``model`` (timed on ``rows`` rows of ``sample_batch``), the local
-    communication costs and the engine fit (when ``comm``; spawn processes once:
-    :func:`measure_comm`, :func:`whale.frontend.calibrate_engine.calibrate_engine`) and the optimizer. Saved back when
-    ``save``. A few seconds the first time, nothing when cached. ``keys`` (:func:`unit_keys`): when every one
-    is cached already, the model is not run at all. ``measure_engine=False``: the engine fits are used when
-    cached but never measured (they take minutes: a job's end-of-run report must not wait for them)."""
-    key = cal.machine_key()
-    cached = cal.load(key)
-    calib, changed = cached or Calibration(key=key, optimizer_seconds_per_element=measure_optimizer()), not cached
-    if comm and calib.p2p_bandwidth == Calibration().p2p_bandwidth:
-        progress("measuring local gloo latency and bandwidth, once per machine (2 processes, a few seconds)")
-        calib, changed = dataclasses.replace(calib, **measure_comm()), True
-    if comm and measure_engine and (calib.engine is None or calib.engine.version != ENGINE_VERSION):
-        from whale.frontend.calibrate_engine import calibrate_engine
-
-        calib, changed = calibrate_engine(calib), True
-    missing = keys is None or any(k not in calib.units for n, k in keys.items() if n != "<rest>" or loss_fn)
-    if model is not None and sample_batch is not None and missing:
-        progress(f"timing the layer-unit types of {type(model).__name__} not cached yet, forward and backward at "
-                 "3 row counts (seconds)")
-        timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked)
-        if timings:
-            calib, changed = calib.with_units(timings), True
-    if comm and measure_engine and model is not None and sample_batch is not None:
-        calib, measured = _model_engine(calib, model, sample_batch, loss_fn, keys, tracked)
-        changed = changed or measured
-    if save and changed:
-        cal.save(calib)
-    return calib
-
-
-def _model_engine(calib: Calibration, model, sample_batch, loss_fn, keys, tracked) -> tuple[Calibration, bool]:
-    """``calib`` with ``model``'s own engine fit (:func:`whale.frontend.calibrate_engine.calibrate_model`)
-    when not cached yet, and whether it was measured. A model that cannot run on one spawned rank keeps the
-    machine's fit (a warning says so)."""
-    import warnings
-
-    from whale.frontend.calibrate_engine import calibrate_model
-
-    keys = keys or unit_keys(model, sample_batch, None, loss_fn, tracked)
-    sig = cal.model_signature(keys)
-    if calib.for_model(sig) is not calib:
-        return calib, False
-    try:
-        fit = calibrate_model(model, sample_batch, loss_fn, calib, tracked)
-    except Exception as exc:  # noqa: BLE001 - the machine's fit still predicts
-        warnings.warn(f"no engine calibration of this model ({type(exc).__name__}: {exc}); the calibration "
-                      f"models' fit is used", stacklevel=3)
-        return calib, False
-    return dataclasses.replace(calib, model_engines={**calib.model_engines, sig: fit}), True

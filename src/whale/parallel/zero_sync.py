@@ -1,6 +1,8 @@
-"""ZeRO-3's place in a step: the stage's gradient reduction with :class:`~whale.parallel.zero3.Zero3Shards` for
-the parameters it shards and a :class:`~whale.parallel.data.GradSync` for those it leaves whole (split shards,
-parameters tied across stages)."""
+"""The stage's gradient reduction by the plan's ZeRO stage (:func:`build_grad_sync`, what the engine calls): a
+plain :class:`~whale.parallel.data.GradSync`, ZeRO-1/2 buckets (:mod:`whale.parallel.zero`), or ZeRO-3's place in a
+step: :class:`~whale.parallel.zero3.Zero3Shards` for the parameters it shards and a
+:class:`~whale.parallel.data.GradSync` for those it leaves whole (split shards, parameters tied across stages).
+It sits above both ZeRO modules, so neither imports the other's builder."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from whale.parallel.data import GradSync
-from whale.parallel.zero import ShardedGradSync, ZeroShards, shard_buckets
+from whale.parallel.zero import ShardedGradSync, ZeroShards, check_optimizer, shard_buckets
 from whale.parallel.zero3 import Zero3Shards
 from whale.plan.plan import Plan
-from whale.plan.zero import zero_shard_weights
+from whale.planner.zero import zero_shard_weights
 
 
 class Zero3GradSync(ShardedGradSync):
@@ -79,3 +81,28 @@ def build_zero3(plan: Plan, param_groups: list, lanes_group, tied_groups: list, 
     sync.zero3.start_step()
     sync.zero3.bind(optimizer)
     return sync, sync.zero3
+
+
+def build_grad_sync(plan: Plan, param_groups: list, lanes_group, tied_groups: list, optimizer,
+                    bucket_cap_mb: float, module: nn.Module | None = None) -> tuple[GradSync, ZeroShards | None]:
+    """The stage's gradient reduction and, under ``plan.zero >= 1``, its ZeRO shards (the optimizer's groups
+    re-pointed at this rank's pieces): the buckets of the stage's lanes (``lanes_group``, sliced by the
+    stage's ``zero_weights``) and of parameters tied across stages (``tied_groups``, :attr:`Mesh.tied`: each
+    rank of each holding stage weighs its lane's share of its own stage, so the holding stages take equal
+    parts). ``param_groups`` as :func:`whale.runtime.groups.sync_sets` gives them, the lanes entry first;
+    split shards are never sharded again. No shards where no group has several ranks. ``plan.zero == 3``:
+    :func:`build_zero3` over the stage ``module`` instead.
+
+    Raises:
+        ZeroError: ``plan.zero >= 1`` with an optimizer that is not elementwise.
+    """
+    if not plan.zero:
+        return GradSync(param_groups, bucket_cap_mb), None
+    check_optimizer(optimizer)
+    if plan.zero >= 3:
+        return build_zero3(plan, param_groups, lanes_group, tied_groups, optimizer, bucket_cap_mb, module)
+    sync = ShardedGradSync(param_groups, bucket_cap_mb)
+    sync.zero = shard_buckets(plan, sync, lanes_group, tied_groups, {id(p) for p in param_groups[0][1]}, plan.zero)
+    if sync.zero is not None:
+        sync.zero.bind(optimizer)
+    return sync, sync.zero

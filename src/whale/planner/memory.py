@@ -38,14 +38,7 @@ state of the lane's slice (:mod:`whale.runtime.offload`; not with ZeRO-3); ``"op
 only) also keeps the parameters on the host between steps, but brings the whole stage to the device for the
 step, so it does not lower the step's peak.
 
-Step time per option (seconds on the slowest rank, :func:`step_seconds`; compared, not predicted to the
-millisecond): each rank's rows x its stage's training FLOPs at its device's speed (the lane shares are those
-each option's placement gives: a device relieved of memory may take its full speed share again);
-recomputation costs the checkpointed layers' forward FLOPs again at the device's speed; ZeRO-1 adds one
-broadcast of the parameters (``4E`` bytes over the lanes' link); ZeRO-2 none (reduce-scatter + broadcast
-replace the all-reduce); ZeRO-3 one more all-gather (``4E``) in backward; offload moves gradients
-down and parameters up over PCIe (``8fE`` bytes; parameters offloaded: ``8E`` more per step) and steps Adam
-on the host (``32 fE`` bytes of host memory traffic).
+Step time per option: :mod:`whale.planner.steptime.memory_time` (the step-time model's home).
 """
 
 from __future__ import annotations
@@ -54,18 +47,15 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from whale.plan.advice import Shortfall, infeasible_message, worst_rank
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.plan import Plan
+from whale.config import FORBIDDEN
+from whale.plan.plan import OFFLOADS, Plan
 from whale.plan.schedule import in_flight_micro_batches
-from whale.plan.zero import whole_shares, zero_shard_weights
+from whale.plan.shares import whole_shares
+from whale.planner.advice import Shortfall, infeasible_message, worst_rank
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.steptime.memory_time import step_seconds
+from whale.planner.zero import zero_shard_weights
 from whale.units import format_bytes
-
-OFFLOADS = ("none", "optimizer", "optimizer+params")
-PCIE_BANDWIDTH = 16e9  # bytes/s, PCIe 3.0 x16: device <-> host
-HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s, host DRAM, for the host optimizer step
-FORBIDDEN = ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
-"""What ``Config.forbid`` may name: options the planner must not add on its own."""
 
 
 @dataclass(frozen=True)
@@ -211,48 +201,6 @@ def plan_memory(plan: Plan, stages: list[StageMemory], global_batch: int, option
     return out
 
 
-def step_seconds(plan: Plan, stages: list[StageMemory], global_batch: int, options: MemoryOptions,
-                 speeds: list[float], lane_bandwidth: float) -> float:
-    """Seconds per step of the slowest rank: its rows' compute (``train_flops``) at its device's speed plus what
-    ``options`` add (see the module docstring). A measure to compare options and the lane shares their
-    placements give, not the full step-time model (no pipeline bubbles or overlap). A lane's share of the
-    sharded state is its fraction of the plan's ZeRO weights (the whole elements the runtime cuts differ by at
-    most a few elements).
-
-    Args:
-        speeds: FLOP/s per rank; lane_bandwidth: bytes/s of the links between a stage's lanes.
-    """
-    worst = 0.0
-    for s, st in enumerate(stages):
-        lanes = plan.lanes_of(s)
-        weights = zero_shard_weights(plan, s)
-        shares = [w / sum(weights) for w in weights]
-        for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
-            rows = sum(b - a for a, b in ranges)
-            flops = st.train_flops + (st.recompute_flops if options.activation_checkpoint else 0.0)
-            t = rows * flops / speeds[plan.rank_of(s, lane)]
-            t += technique_seconds(st.trainable_elements, shares[lane], lanes, options, lane_bandwidth)
-            worst = max(worst, t)
-    return worst
-
-
-def technique_seconds(elements: float, share: float, lanes: int, options: MemoryOptions,
-                      lane_bandwidth: float) -> float:
-    """Seconds per step one rank spends on what ``options`` add beyond compute and recomputation (the module
-    docstring's step-time rules): ZeRO-1 and ZeRO-3 one ring pass of the stage's ``4 * elements`` bytes over its
-    ``lanes`` (``lane_bandwidth`` bytes/s), offload ``8 f E`` bytes over PCIe plus ``32 f E`` bytes of host
-    memory traffic (``f = share`` of the sharded state under ZeRO, else 1), and ``8 E`` more over PCIe when the
-    parameters are offloaded too."""
-    ring = 4 * elements * (lanes - 1) / lanes / lane_bandwidth if lanes > 1 else 0.0
-    t = {0: 0.0, 1: ring, 2: 0.0, 3: ring}[options.zero]
-    f = share if options.zero else 1.0
-    if options.offload != "none":
-        t += 8 * f * elements / PCIE_BANDWIDTH + 32 * f * elements / HOST_MEMORY_BANDWIDTH
-    if options.offload == "optimizer+params":
-        t += 8 * elements / PCIE_BANDWIDTH
-    return t
-
-
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
     """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows (offloading
     the parameters runs with ``zero=0`` only).
@@ -307,7 +255,7 @@ class MemoryChoice:
 @dataclass(frozen=True)
 class _Tried:
     """One combination tried: its step seconds (``inf``: not placed), plan, per-rank memory, shortfall lines,
-    and the worst rank's :class:`~whale.plan.advice.Shortfall` with its ratio of need to capacity."""
+    and the worst rank's :class:`~whale.planner.advice.Shortfall` with its ratio of need to capacity."""
 
     cost: float
     opt: MemoryOptions
@@ -344,18 +292,19 @@ def choose_memory_options(place: Callable[[MemoryOptions], Plan], stages: list[S
                           floor: MemoryOptions, forbid: tuple[str, ...], capacity: list[float],
                           host_capacity: list[float], speeds: list[float], lane_bandwidth: float,
                           names: tuple[str, ...] = (), micro_batches: int = 1) -> MemoryChoice:
-    """The allowed combination (:func:`candidates`) with the least :func:`step_seconds` whose every rank fits
-    (:func:`plan_memory` within ``capacity`` bytes per rank and ``host_capacity``); ties (1e-12 relative) go to
-    fewer techniques. What the user set (``floor`` other than no techniques) is kept as is when it fits. With
+    """The allowed combination (:func:`candidates`) with the least
+    :func:`~whale.planner.steptime.memory_time.step_seconds` whose every rank fits (:func:`plan_memory` within
+    ``capacity`` bytes per rank and ``host_capacity``); ties (1e-12 relative) go to fewer techniques. What the user set
+    (``floor`` other than no techniques) is kept as is when it fits. With
     nothing set, the fastest fitting combination is chosen, so more memory never gives a slower plan (a
     combination relieving memory-bound shares can be faster than none). ``place(options)`` returns the plan
-    balanced for those options (rows and ZeRO shares within memory, :func:`whale.plan.fit.fit_shares`) or
+    balanced for those options (rows and ZeRO shares within memory, :func:`whale.planner.fit.fit_shares`) or
     raises ``InfeasiblePlanError``. Exhaustive over at most 24 combinations. ``names``: device name per rank and
     ``micro_batches``: the plan's, for the messages.
 
     Raises:
         InfeasiblePlanError: no allowed combination fits; names the closest one, its worst rank and device, the
-            bytes it needs and has, and the fixes that apply (:func:`whale.plan.advice.infeasible_message`).
+            bytes it needs and has, and the fixes that apply (:func:`whale.planner.advice.infeasible_message`).
     """
     tried = [_try(o, place, stages, global_batch, capacity, host_capacity, speeds, lane_bandwidth, names)
              for o in candidates(floor, forbid)]

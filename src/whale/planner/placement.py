@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from whale.plan.balance import InfeasiblePlanError
+from whale.planner.balance import InfeasiblePlanError
 from whale.units import format_bytes
 
 

@@ -3,14 +3,14 @@ plan made for identical devices and a cluster spec, and gives each device work i
 within its memory.
 
 - Device order (inter-TaskGraph): kept when the plan's stages were already placed with the cut
-  (:mod:`whale.plan.placement`); otherwise, in each replica, devices with more memory take earlier pipeline
+  (:mod:`whale.planner.placement`); otherwise, in each replica, devices with more memory take earlier pipeline
   slots (stage s of S holds up to S - s micro-batches of activations under 1F1B).
 - Lane shares (intra-TaskGraph, replicate): a lane runs at the speed of its slowest stage device; shares
   minimize the slowest lane within every lane's memory (exact whole rows,
-  :func:`whale.plan.balance.balance_batch`). Stages of different widths balance each stage's own lanes (each
+  :func:`whale.planner.balance.balance_batch`). Stages of different widths balance each stage's own lanes (each
   lane of a stage is one device; the batch bridge re-splits rows between stages).
 - Shard sizes (intra-TaskGraph, split): weights = the speed of the devices at each shard position (whole
-  elements by :func:`whale.plan.balance.whole_shares`).
+  elements by :func:`whale.plan.shares.whole_shares`).
 - Predicted utilization per rank: its compute time relative to the slowest rank.
 """
 
@@ -20,11 +20,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, memory_capacity
-from whale.plan.balance import InfeasiblePlanError, balance_batch
-from whale.plan.cost import utilization
-from whale.plan.partition import order_devices_by_memory
 from whale.plan.plan import Plan, PlanError
 from whale.plan.schedule import in_flight_micro_batches
+from whale.planner.balance import InfeasiblePlanError, balance_batch
+from whale.planner.partition import order_devices_by_memory
+from whale.planner.steptime.cost import utilization
 from whale.units import format_bytes
 
 
@@ -112,9 +112,9 @@ def _balanced(memory: MemoryModel, m: int, lane_speed: list[float], limits: list
 
 def lane_shares(plan: Plan, speeds: list[float], cluster: ClusterSpec, memory: MemoryModel | None) -> list[float]:
     """Relative load per lane (stages of one width): the lane's bottleneck speed (the runtime cuts rows by it,
-    :func:`whale.plan.balance.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
+    :func:`whale.plan.shares.whole_shares`); with a :class:`MemoryModel`, whole rows of one micro-batch
     (``memory.global_batch / num_micro_batch``), memory-constrained (exact min-max shares,
-    :func:`whale.plan.balance.balance_batch`). Whole rows per micro-batch are what the runtime runs
+    :func:`whale.planner.balance.balance_batch`). Whole rows per micro-batch are what the runtime runs
     (:meth:`Plan.micro_batch_rows` cuts each micro-batch by these weights), so the shares the plan shows are the
     rows that run at that batch size.
 

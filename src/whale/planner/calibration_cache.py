@@ -1,11 +1,11 @@
-"""Calibration data for the step-time model (:mod:`whale.plan.simulate`): measured, cached, pure to read.
+"""Calibration data for the step-time model (:mod:`whale.planner.steptime.simulate`): measured, cached, pure to read.
 
 FLOPs are not time: a large matmul (a GPT's LM head) runs at a higher fraction of peak than attention blocks or
 small layers, and layers with no counted FLOPs (norms, embeddings, the loss) still take time. A
 :class:`Calibration` holds, per layer unit *type* (class and shape signature, :func:`unit_key`), seconds per
 FLOP and a fixed seconds-per-call overhead for forward and backward, measured on this machine
-(:func:`whale.frontend.calibrate.calibrate_units`), plus the local communication costs of gloo on localhost
-(what emulated runs really pay, :func:`whale.frontend.calibrate.measure_comm`) and the optimizer's seconds per
+(:func:`whale.calibration.units.calibrate_units`), plus the local communication costs of gloo on localhost
+(what emulated runs really pay, :func:`whale.calibration.units.measure_comm`) and the optimizer's seconds per
 parameter element.
 
 The cache is one JSON file (default ``~/.cache/whale/calibration.json``, or ``WHALE_CALIBRATION``) keyed by
@@ -16,11 +16,14 @@ torch. Nothing here measures; this module only holds, reads and writes the numbe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class UnitTiming:
 
     Time of one call on ``rows`` samples = ``overhead + rows * per_row`` seconds, for forward (``fwd_*``) and
     backward (``bwd_*``). ``*_per_flop`` = per_row / FLOPs per sample (0 when the unit has no counted FLOPs):
-    the type's seconds per FLOP, the "efficiency" of :func:`whale.plan.cost.compute_time` as measured.
+    the type's seconds per FLOP, the "efficiency" of :func:`whale.planner.steptime.cost.compute_time` as measured.
     """
 
     fwd_per_row: float
@@ -41,14 +44,14 @@ class UnitTiming:
 
 
 ENGINE_VERSION = 2
-"""Version of the engine calibration's procedure (:mod:`whale.frontend.calibrate_engine`): a cached
+"""Version of the engine calibration's procedure (:mod:`whale.calibration.engine`): a cached
 :class:`EngineTiming` of another version is measured again (2: per-segment intercepts fitted)."""
 
 
 @dataclass(frozen=True)
 class EngineTiming:
     """How a stage's compute inside the real engine relates to its isolated unit timings (fitted on short
-    engine runs of calibration models on this machine, :mod:`whale.frontend.calibrate_engine`). Seconds.
+    engine runs of calibration models on this machine, :mod:`whale.calibration.engine`). Seconds.
 
     Engine CPU seconds of one forward (backward) segment = ``scale x X + overhead``, X the summed isolated
     unit seconds of :class:`UnitTiming`: ``scale`` takes in the runtime's hooks and, under emulation, the cold
@@ -101,7 +104,7 @@ class Calibration:
         units: :class:`UnitTiming` by :func:`unit_key`.
         p2p_latency, p2p_bandwidth: gloo point-to-point on localhost (one message: latency + bytes/bandwidth).
         allreduce_latency, allreduce_bandwidth: gloo all-reduce on localhost, per ring step and per byte sent
-            (fed to :func:`whale.plan.cost.ring_allreduce_time`).
+            (fed to :func:`whale.planner.steptime.cost.ring_allreduce_time`).
         optimizer_seconds_per_element: the optimizer step (AdamW, fp32) per parameter element on one thread.
         segment_overhead: seconds the runtime adds to each forward or backward segment beyond the units.
         step_overhead: seconds per step outside segments, communication and optimizer (bookkeeping).
@@ -111,7 +114,7 @@ class Calibration:
             their units' seconds plus ``segment_overhead``). With it, ``segment_overhead`` is 0 and
             ``step_overhead`` is the engine runs' fit too.
         model_engines: per model signature (:func:`model_signature`), the engine fit of that model's own
-            1-rank runs (:func:`whale.frontend.calibrate_engine.calibrate_model`); :meth:`for_model` puts it in
+            1-rank runs (:func:`whale.calibration.engine.calibrate_model`); :meth:`for_model` puts it in
             place of ``engine``.
     """
 
@@ -166,8 +169,6 @@ class Calibration:
 
 def machine_key(dtype: str = "fp32") -> str:
     """``"<cpu model>|<cores>|torch <version>|<dtype>"``: what a calibration is valid for."""
-    import torch
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -186,9 +187,7 @@ def unit_key(module_type: type, param_elements: int, input_shapes: tuple) -> str
 
 def model_signature(keys: dict[str, str]) -> str:
     """A model's key in :attr:`Calibration.model_engines`: a hash of its units' calibration keys by name
-    (:func:`whale.frontend.calibrate.unit_keys`; runs under the memory tracker have keys of their own)."""
-    import hashlib
-
+    (:func:`whale.frontend.unit_keys.unit_keys`; runs under the memory tracker have keys of their own)."""
     text = "\n".join(f"{n}={k}" for n, k in sorted(keys.items()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

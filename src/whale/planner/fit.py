@@ -1,9 +1,10 @@
 """Lane rows and ZeRO shard shares within memory, chosen together, for one combination of memory techniques
 (pure functions of plain data; the Whale paper's §3.3 balancing, Jia et al., USENIX ATC 2022, made exact).
 
-For pipeline stage s and lane l (rank ``plan.rank_of(s, l)``) under :class:`~whale.plan.memory.MemoryOptions`,
-:func:`~whale.plan.memory.rank_memory` is linear in the lane's rows ``r`` (per micro-batch) and in its share
-``f`` of the stage's ZeRO-sharded state, and so is the rank's time in :func:`~whale.plan.memory.step_seconds`::
+For pipeline stage s and lane l (rank ``plan.rank_of(s, l)``) under :class:`~whale.planner.memory.MemoryOptions`,
+:func:`~whale.planner.memory.rank_memory` is linear in the lane's rows ``r`` (per micro-batch) and in its share
+``f`` of the stage's ZeRO-sharded state, and so is the rank's time in
+:func:`~whale.planner.steptime.memory_time.step_seconds`::
 
     device bytes  a + b f + p r  <=  capacity        host bytes  ha + hb f  <=  host capacity
     seconds       r t + ring + c f                   (t = micro-batches x training FLOPs per sample / speed)
@@ -15,7 +16,7 @@ fraction: each lane keeps room for them).
 
 - Without offload under ZeRO (``c = hb = 0``) a share only needs room. A lane's rows are bounded by its memory
   at ``f = 0``; the rows are the exact min-max of compute time within these bounds
-  (:func:`~whale.plan.balance.min_max_shares`); a stage's shares follow the room its lanes have left. They fit
+  (:func:`~whale.plan.shares.min_max_shares`); a stage's shares follow the room its lanes have left. They fit
   iff the stage's lanes together have room for the state, ``sum_l (capacity - a - p r_l) >= b``, the same for
   every split of the rows within the bounds, so the rows are free to follow speed. Exact.
 - With offload under ZeRO a share also costs time. Bisection on the step time ``T``: at ``T`` lane l with r rows
@@ -36,11 +37,13 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from whale.plan.balance import InfeasiblePlanError, max_units, min_max_shares
-from whale.plan.hardware import predicted_utilization
-from whale.plan.memory import MemoryOptions, StageMemory, rank_memory, technique_seconds
 from whale.plan.plan import Plan
 from whale.plan.schedule import in_flight_micro_batches
+from whale.plan.shares import min_max_shares
+from whale.planner.balance import InfeasiblePlanError, max_units
+from whale.planner.hardware import predicted_utilization
+from whale.planner.memory import MemoryOptions, StageMemory, rank_memory
+from whale.planner.steptime.memory_time import technique_seconds
 from whale.units import format_bytes
 
 

@@ -5,7 +5,7 @@ Stage s of S takes a contiguous run of layers (at least one). Its time is (sum o
 ``stage_flops[s]``; its memory is (sum of its layers' static bytes) + ``in_flight[s]`` x (sum of its layers'
 activation bytes per micro-batch), which must not exceed ``stage_mem_capacity[s]``. Under 1F1B stage s holds up
 to S - s micro-batches, so the paper orders devices by memory, largest first (choosing the order too, jointly
-with the cut, is :func:`whale.plan.placement.place_stages`). :func:`partition_layers` finds the
+with the cut, is :func:`whale.planner.placement.place_stages`). :func:`partition_layers` finds the
 cut that minimizes the slowest stage's time exactly, by a min-max dynamic program over (stage, layer prefix),
 vectorized with numpy: O(S x n^2) time, O(n^2) memory per stage.
 """
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from whale.plan.balance import InfeasiblePlanError
 from whale.plan.schedule import in_flight_micro_batches
+from whale.planner.balance import InfeasiblePlanError
 from whale.units import format_bytes
 
 

@@ -1,7 +1,7 @@
 """Models described without weights: a list of layers with their costs, for planning models far larger than
 memory (issue 13, part 5).
 
-A :class:`ModelDesc` is what the search (:mod:`whale.plan.search`) needs of a model and nothing more: per layer,
+A :class:`ModelDesc` is what the search (:mod:`whale.planner.search`) needs of a model and nothing more: per layer,
 its training FLOPs per sample, parameter elements, activation bytes per sample saved for backward, output bytes
 per sample (what crosses a stage boundary) and its kind. It comes from
 
@@ -41,7 +41,7 @@ class LayerDesc:
     Attributes:
         name: module FQN or a made-up name (``"h.3.moe"``).
         flops: forward + backward FLOPs per sample (backward ~ 2x forward).
-        params: parameter elements (fp32 in the memory model: 4 bytes each, :mod:`whale.plan.memory`).
+        params: parameter elements (fp32 in the memory model: 4 bytes each, :mod:`whale.planner.memory`).
         activation_bytes: bytes per sample saved for backward.
         output_bytes: bytes per sample of the layer's output (sent between stages; what a split all-reduces).
         kind: one of :data:`LAYER_KINDS`.
@@ -50,7 +50,7 @@ class LayerDesc:
         expert_params: of ``params``, the elements inside the experts (what expert parallelism shards).
         forward_flops: forward FLOPs per sample (what activation checkpointing recomputes); default flops / 3.
         split_dims: sizes a split of this layer cuts (heads, key/value heads, width, vocabulary); a split degree
-            must divide each (:meth:`DefaultEstimator.split_ok <whale.plan.estimate.DefaultEstimator.split_ok>`).
+            must divide each (:meth:`DefaultEstimator.split_ok <whale.planner.steptime.estimate.DefaultEstimator.split_ok>`).
     """
 
     name: str

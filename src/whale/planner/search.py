@@ -4,8 +4,9 @@ A pure function over costs, in the style of Alpa / Metis: :func:`enumerate_candi
 parallel degree d, pipeline stage count p, split degree t with d x p x t = the devices; the stage cut; which
 device types run which stage; micro-batch count m; schedule; memory options), and :func:`search` ranks it with
 an *injected estimator* ``estimate(candidate) -> Estimate`` (predicted step seconds and per-device peak bytes):
-:class:`whale.plan.estimate.DefaultEstimator` (built from :mod:`whale.plan.cost`, the event simulator of
-:mod:`whale.plan.schedule` and :mod:`whale.plan.memory`) or any calibrated simulator with the same signature.
+:class:`whale.planner.steptime.estimate.DefaultEstimator` (built from :mod:`whale.planner.steptime.cost`, the event
+simulator of
+:mod:`whale.plan.schedule` and :mod:`whale.planner.memory`) or any calibrated simulator with the same signature.
 
 Pruning, exact for estimators that declare it (tests compare with brute force over the same space):
 
@@ -33,9 +34,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from whale.plan.balance import InfeasiblePlanError
-from whale.plan.memory import MemoryOptions, candidates
 from whale.plan.schedule import SCHEDULES
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.memory import MemoryOptions, candidates
 from whale.units import format_bytes
 
 
@@ -197,7 +198,7 @@ def divisors(n: int) -> list[int]:
 
 def _runtime_mix(rank_types: Sequence[int], memory: Sequence[float], p: int,
                  width: int) -> tuple[tuple[int, ...], ...]:
-    """Device-type counts per stage as the runtime places them (:func:`whale.plan.hardware.device_order`):
+    """Device-type counts per stage as the runtime places them (:func:`whale.planner.hardware.device_order`):
     each replica takes ``p * width`` consecutive ranks, ordered by memory (largest first, stable), and its
     stage s the ``width`` devices at positions ``s * width ...``."""
     k, block = max(rank_types) + 1, p * width

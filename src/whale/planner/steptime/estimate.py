@@ -1,12 +1,12 @@
 """The default estimator of the search: predicted step seconds and per-device peak bytes of a
-:class:`whale.plan.search.Candidate`, from the cost model (:mod:`whale.plan.cost`), the event simulator
-(:func:`whale.plan.schedule.simulate`) and the memory model (:mod:`whale.plan.memory`). Formulas live there;
+:class:`whale.planner.search.Candidate`, from the cost model (:mod:`whale.planner.steptime.cost`), the event simulator
+(:func:`whale.plan.schedule.simulate`) and the memory model (:mod:`whale.planner.memory`). Formulas live there;
 this module only decides what each device of a candidate does.
 
 Per stage s (layers ``stage_layers[s]``) on ``d`` lanes of ``t`` devices, a micro-batch of R = B / m rows:
 
 - rows: each lane gets rows in proportion to its speed (hardware-aware shares, the Whale paper's §3.3; the
-  exact integer shares are :mod:`whale.plan.balance`'s), so every lane computes a micro-batch in
+  exact integer shares are :mod:`whale.planner.balance`'s), so every lane computes a micro-batch in
   R x F / (sum of the stage's FLOP/s x efficiency), F the stage's FLOPs per sample on one device: split layers
   (dense, attention, MoE) count F / t, the others (embeddings, head) whole on every device of a split group;
 - split communication per micro-batch: a dense or attention layer all-reduces its output forward and its
@@ -19,8 +19,9 @@ Per stage s (layers ``stage_layers[s]``) on ``d`` lanes of ``t`` devices, a micr
 - after the last micro-batch, per stage: the gradient all-reduce over the d lanes
   (:func:`ring_allreduce_time`), the optimizer step (32 bytes of device memory traffic per element: read
   parameter, gradient and two moments, write three) and what the memory options add
-  (:func:`whale.plan.memory.technique_seconds`); the step ends when the slowest stage is done (no overlap);
-- memory: :func:`whale.plan.memory.rank_memory` of the stage's per-device share (split layers' parameters
+  (:func:`whale.planner.steptime.memory_time.technique_seconds`); the step ends when the slowest stage is done
+  (no overlap);
+- memory: :func:`whale.planner.memory.rank_memory` of the stage's per-device share (split layers' parameters
   and activations / t), the lane's rows and the schedule's micro-batches in flight.
 
 Links: a group that fits in one node (``devices_per_node``) uses the nodes' slowest intra-node link, else the
@@ -37,20 +38,14 @@ import numpy as np
 
 from whale.cluster import ClusterSpec, DeviceType, memory_capacity
 from whale.memory.host import host_memory_capacity
-from whale.plan.balance import proportional_shares
-from whale.plan.cost import compute_time, p2p_time, ring_allgather_time, ring_allreduce_time
-from whale.plan.memory import (
-    HOST_MEMORY_BANDWIDTH,
-    PCIE_BANDWIDTH,
-    MemoryOptions,
-    StageMemory,
-    rank_memory,
-    technique_seconds,
-)
-from whale.plan.model_desc import ModelDesc
-from whale.plan.partition import partition_layers, uniform_partition
 from whale.plan.schedule import in_flight_micro_batches, make_schedule, simulate
-from whale.plan.search import Bound, Candidate, Estimate
+from whale.plan.shares import proportional_shares
+from whale.planner.memory import MemoryOptions, StageMemory, rank_memory
+from whale.planner.model_desc import ModelDesc
+from whale.planner.partition import partition_layers, uniform_partition
+from whale.planner.search import Bound, Candidate, Constraints, Estimate, enumerate_candidates, search
+from whale.planner.steptime.cost import compute_time, p2p_time, ring_allgather_time, ring_allreduce_time
+from whale.planner.steptime.memory_time import HOST_MEMORY_BANDWIDTH, PCIE_BANDWIDTH, technique_seconds
 
 DEFAULT_LATENCY = 1e-5
 """Seconds per message step of a collective or a send when the cluster spec gives none (NCCL-class, ~10 us)."""
@@ -136,12 +131,12 @@ def _stage_memory(st: _Stage) -> StageMemory:
 
 
 class DefaultEstimator:
-    """Estimator for :func:`whale.plan.search.search` (see the module docstring): ``est(c) -> Estimate``, with
+    """Estimator for :func:`whale.planner.search.search` (see the module docstring): ``est(c) -> Estimate``, with
     ``bound(c)`` (exact memory and a lower bound on the step: the bottleneck stage's m x (forward + backward)
     plus the post-step work) and ``monotone_options`` (checkpointing only adds seconds here, and offload does
     when the host path is slower per element than the device's optimizer step). Compute, links and the
     post-sync work go through ``_seconds``, ``_link`` and ``_update``, which
-    :class:`whale.plan.calibrated.CalibratedEstimator` overrides with the measured costs."""
+    :class:`whale.planner.steptime.calibrated.CalibratedEstimator` overrides with the measured costs."""
 
     def __init__(self, model: ModelDesc, pool: DevicePool, global_batch: int, cross_nodes: bool = False) -> None:
         if global_batch < 1:
@@ -197,7 +192,7 @@ class DefaultEstimator:
 
     def _lane_rows_uncached(self, mix: tuple[int, ...], m: int, t: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         """Whole rows per lane of one micro-batch, proportional to lane speed (largest remainder,
-        :func:`whale.plan.balance.proportional_shares`); per type the most rows any of its lanes gets."""
+        :func:`whale.plan.shares.proportional_shares`); per type the most rows any of its lanes gets."""
         total = sum(n * self.pool.speed(k) for k, n in enumerate(mix))
         lanes = [k for k, n in enumerate(mix) for _ in range(n // t)]
         shares = proportional_shares(max(1, self.batch // m), [self.pool.speed(k) for k in lanes])
@@ -236,7 +231,7 @@ class DefaultEstimator:
     def _seconds(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float]:
         """``(forward, backward)`` compute seconds of one micro-batch of ``rows`` samples through layers
         ``[a, b)`` at split degree ``t`` on a device of type ``k``: FLOPs at the type's achieved speed
-        (:func:`whale.plan.cost.compute_time`); backward adds the forward again under checkpointing."""
+        (:func:`whale.planner.steptime.cost.compute_time`); backward adds the forward again under checkpointing."""
         st, speed = self._stage(a, b, t), self.pool.speed(k)
         recompute = st.fwd if ckpt else 0.0
         return compute_time(rows * st.fwd, speed), compute_time(rows * (st.train - st.fwd + recompute), speed)
@@ -283,7 +278,7 @@ class DefaultEstimator:
         return base.device_total, per_flight, r11 - base.device_total - per_flight, base.host
 
     def breakdown(self, c: Candidate, stage: int, rows: int) -> dict[str, float]:
-        """Device bytes by category (:class:`whale.plan.memory.RankMemory`) of one device of ``stage`` holding
+        """Device bytes by category (:class:`whale.planner.memory.RankMemory`) of one device of ``stage`` holding
         ``rows`` rows per micro-batch."""
         a = int(sum(c.stage_layers[:stage]))
         sm = _stage_memory(self._stage(a, a + c.stage_layers[stage], c.split))
@@ -360,7 +355,7 @@ class DefaultEstimator:
 
     def cuts(self, p: int, mix: tuple) -> list[tuple[int, ...]]:
         """Cuts to try for ``p`` stages on device mix ``mix``: the min-max cut by stage speed
-        (:func:`whale.plan.partition.partition_layers`, memory left to the estimate) and the uniform cut."""
+        (:func:`whale.planner.partition.partition_layers`, memory left to the estimate) and the uniform cut."""
         n = len(self.model.layers)
         if p > n:
             return []
@@ -372,14 +367,12 @@ class DefaultEstimator:
 
 def plan_search(model: ModelDesc, pool: DevicePool, global_batch: int, constraints=None, keep: int = 5,
                 all_cuts_below: int = 0, estimator=None, cross_nodes: bool = False):
-    """Search ``model`` on ``pool`` at ``global_batch`` samples per step (see :mod:`whale.plan.search`); the
+    """Search ``model`` on ``pool`` at ``global_batch`` samples per step (see :mod:`whale.planner.search`); the
     default estimator unless one is given (``cross_nodes``: split groups may span nodes, costed on the
-    inter-node link). Returns a :class:`whale.plan.search.SearchResult`.
+    inter-node link). Returns a :class:`whale.planner.search.SearchResult`.
 
     Raises:
         NoFeasiblePlanError: nothing fits; ValueError: an empty space."""
-    from whale.plan.search import Constraints, enumerate_candidates, search
-
     est = estimator or DefaultEstimator(model, pool, global_batch, cross_nodes)
     base = est if isinstance(est, DefaultEstimator) else DefaultEstimator(model, pool, global_batch, cross_nodes)
     cands = enumerate_candidates(len(model.layers), pool.counts, global_batch, constraints or Constraints(),

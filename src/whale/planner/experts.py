@@ -6,7 +6,7 @@ the load-balancing loss drives routing towards), device i's expert time is ``c_i
 :func:`expert_counts` gives whole counts minimizing the slowest device, ``max_i c_i / speed_i``, exactly, with
 every device holding at least one expert (experts are not replicated) and, with memory given, each within its
 memory: ``mem_fixed_i + c_i * bytes_per_expert <= mem_capacity_i``. It is Whale's one apportionment
-(:func:`whale.plan.balance.min_max_shares`, exact for this min-max), so the counts equal the shard sizes the
+(:func:`whale.plan.shares.min_max_shares`, exact for this min-max), so the counts equal the shard sizes the
 runtime cuts the stacked expert tensors into (:func:`whale.parallel.split_ops.shard_sizes` of the plan's shard
 weights) -- the plan stores the weights, and printing and running derive the same counts from them.
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from whale.plan.balance import InfeasiblePlanError, _balance, whole_shares
-from whale.plan.cost import memory_per_device
 from whale.plan.plan import Plan, PlanError
+from whale.plan.shares import whole_shares
+from whale.planner.balance import InfeasiblePlanError, _balance
+from whale.planner.steptime.cost import memory_per_device
 from whale.units import format_bytes
 
 __all__ = ["expert_counts", "expert_memory_counts", "ExpertPlacementError"]
@@ -85,12 +86,12 @@ def expert_memory_counts(plan: Plan, capacity: list[float]) -> Plan:
     """``plan`` with each expert-parallel split's experts per device capped by device memory (pure function).
 
     Group position j of a stage may use the least ``capacity`` (bytes, per rank) of the ranks at j over the
-    replicas. One expert costs its fp32 parameters, gradients and AdamW state (:func:`whale.plan.cost.
+    replicas. One expert costs its fp32 parameters, gradients and AdamW state (:func:`whale.planner.steptime.cost.
     memory_per_device` of 4 + 4 + 8 bytes per element); the rest of the model is not counted. The split scopes
     of a stage are placed in model order, each within what the earlier ones left (``mem_fixed``): a scope whose
     modules are all MoE layers of one expert count E gets :func:`expert_counts` of its shard weights within that
     memory (one expert slot holding that expert of every layer of the scope), and where those differ from the
-    weights' own counts its shard weights become the counts (:func:`whale.plan.balance.whole_shares` of counts
+    weights' own counts its shard weights become the counts (:func:`whale.plan.shares.whole_shares` of counts
     adding up to E gives back those counts, so running and printing derive them again); in a scope mixing MoE
     layers with other modules each layer is only checked, at its weights' counts.
 

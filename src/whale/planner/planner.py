@@ -3,7 +3,7 @@
 It resolves each TaskGraph's device count (pipeline stages may differ in width; see :mod:`whale.plan.layout`),
 the nested data-parallel degree K and the per-lane load shares (per stage when the widths differ); the
 stage cut and shared parameters come in from the front end (:mod:`whale.frontend`), the hardware-aware
-balancing is applied afterwards by :func:`whale.plan.hardware.apply_hardware`. It touches no process group and
+balancing is applied afterwards by :func:`whale.planner.hardware.apply_hardware`. It touches no process group and
 no tensor.
 """
 

@@ -1,21 +1,21 @@
 """The search's estimator on calibrated costs: :class:`CalibratedEstimator` ranks candidates with the measured
-per-unit seconds of :mod:`whale.plan.calibration` instead of datasheet FLOP/s (issue 13).
+per-unit seconds of :mod:`whale.planner.calibration_cache` instead of datasheet FLOP/s (issue 13).
 
-The default estimator (:class:`whale.plan.estimate.DefaultEstimator`) turns FLOPs into seconds at each device
-type's peak. That misses what small and CPU-emulated steps are made of: a fixed cost per unit call and per
+The default estimator (:class:`whale.planner.steptime.estimate.DefaultEstimator`) turns FLOPs into seconds at each
+device type's peak. That misses what small and CPU-emulated steps are made of: a fixed cost per unit call and per
 forward/backward segment (paid once per micro-batch, so more micro-batches and more stages cost more than
 FLOPs say), per-type time per FLOP (a large matmul is faster per FLOP than attention), and the measured gloo
 costs of an emulated cluster. This estimator keeps the default one's structure (lanes, split collectives,
 the schedule's event simulation, gradient sync, memory) and takes every formula that differs from
-:mod:`whale.plan.simulate`, their one home:
+:mod:`whale.planner.steptime.simulate`, their one home:
 
-- compute of a micro-batch: :func:`whale.plan.simulate.segment_seconds` of the stage's summed layer timings
-  (per layer ``overhead + rows x seconds per row``, a :class:`whale.plan.calibration.UnitTiming`) times the
-  device type's speed factor (:func:`whale.plan.simulate.speed_factors`: the emulation stretch, or measured
+- compute of a micro-batch: :func:`whale.planner.steptime.simulate.segment_seconds` of the stage's summed layer timings
+  (per layer ``overhead + rows x seconds per row``, a :class:`whale.planner.calibration_cache.UnitTiming`) times the
+  device type's speed factor (:func:`whale.planner.steptime.simulate.speed_factors`: the emulation stretch, or measured
   seconds per FLOP against the device's peak on a real cluster);
-- links: :func:`whale.plan.simulate.link` (the calibration's local gloo costs under emulation, the declared
+- links: :func:`whale.planner.steptime.simulate.link` (the calibration's local gloo costs under emulation, the declared
   links otherwise, here the pool's);
-- after the sync: :func:`whale.plan.simulate.update_seconds` (optimizer, offload copies, ZeRO's all-gather)
+- after the sync: :func:`whale.planner.steptime.simulate.update_seconds` (optimizer, offload copies, ZeRO's all-gather)
   plus the calibration's per-step overhead.
 """
 
@@ -25,16 +25,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from whale.plan.calibration import Calibration, UnitTiming
-from whale.plan.estimate import DefaultEstimator, DevicePool
-from whale.plan.memory import MemoryOptions
-from whale.plan.model_desc import ModelDesc
-from whale.plan.simulate import StageCost, link, segment_seconds, update_seconds
+from whale.planner.calibration_cache import Calibration, UnitTiming
+from whale.planner.memory import MemoryOptions
+from whale.planner.model_desc import ModelDesc
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
+from whale.planner.steptime.simulate import StageCost, link, segment_seconds, update_seconds
 
 
 def type_factors(pool: DevicePool, rank_factors: Sequence[float]) -> tuple[float, ...]:
     """Per device type of ``pool``, the largest speed factor (seconds there per measured second) of its ranks,
-    from per-rank factors (:func:`whale.plan.simulate.speed_factors`).
+    from per-rank factors (:func:`whale.planner.steptime.simulate.speed_factors`).
 
     Raises:
         ValueError: the pool does not list its ranks' types, or ``rank_factors`` has another length.
@@ -49,13 +49,13 @@ def type_factors(pool: DevicePool, rank_factors: Sequence[float]) -> tuple[float
 
 
 class CalibratedEstimator(DefaultEstimator):
-    """:class:`~whale.plan.estimate.DefaultEstimator` with calibrated compute, links and post-step work (see
+    """:class:`~whale.planner.steptime.estimate.DefaultEstimator` with calibrated compute, links and post-step work (see
     the module docstring); memory, bound and pruning as the default one's (checkpointing still only adds
     seconds; offload is not declared monotone: its cost here is measured, not compared).
 
     Args:
         model: the layers; timings: one :class:`UnitTiming` per layer (seconds on the calibration machine,
-            the work outside every unit folded into the last layer as :func:`whale.plan.model_desc.from_profile`
+            the work outside every unit folded into the last layer as :func:`whale.planner.model_desc.from_profile`
             folds it).
         pool: the devices; factors: per device type, seconds there per measured second (:func:`type_factors`).
         calib: the calibration (overheads, gloo, optimizer); emulated: links and the optimizer are local (the
@@ -80,8 +80,8 @@ class CalibratedEstimator(DefaultEstimator):
         self._recompute = np.concatenate([[0.0], np.cumsum([x.fwd_per_row for x in timings])])
 
     def stage_cost(self, a: int, b: int, t: int = 1) -> StageCost:
-        """The :class:`whale.plan.simulate.StageCost` of layers ``[a, b)`` at split degree ``t`` (split layers'
-        seconds per row / t; overheads are per call and stay whole)."""
+        """The :class:`whale.planner.steptime.simulate.StageCost` of layers ``[a, b)`` at split degree ``t`` (split
+        layers' seconds per row / t; overheads are per call and stay whole)."""
         c = {f: v[b] - v[a] for f, v in self._tcum.items()}
         share = self._split_share(a, b, t)
         return StageCost(fwd_per_row=c["fwd_per_row"] * share, bwd_per_row=c["bwd_per_row"] * share,
@@ -98,18 +98,18 @@ class CalibratedEstimator(DefaultEstimator):
         return self._stage(a, b, t).train / whole if whole > 0 else 1.0
 
     def _seconds(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float]:
-        """Calibrated ``(forward, backward)`` seconds (:func:`whale.plan.simulate.segment_seconds`)."""
+        """Calibrated ``(forward, backward)`` seconds (:func:`whale.planner.steptime.simulate.segment_seconds`)."""
         return segment_seconds(self.stage_cost(a, b, t), rows, self.factors[k], self.calib, ckpt)
 
     def _link(self, group: int, kind: str) -> tuple[float, float]:
-        """Measured local gloo (:func:`whale.plan.simulate.link`) under emulation, else the pool's links."""
+        """Measured local gloo (:func:`whale.planner.steptime.simulate.link`) under emulation, else the pool's links."""
         if self.emulated:
             return link(None, self.calib, [], kind)
         return super()._link(group, kind)
 
     def _update(self, elements: float, mix: tuple[int, ...], d: int, options: MemoryOptions, bw: float,
                 lat: float) -> float:
-        """:func:`whale.plan.simulate.update_seconds` of the stage's slowest device type, plus the
+        """:func:`whale.planner.steptime.simulate.update_seconds` of the stage's slowest device type, plus the
         calibration's per-step overhead."""
         mem_bw = 0.0 if self.emulated else min(self.pool.types[k].mem_bandwidth for k, n in enumerate(mix) if n)
         up = update_seconds(elements, d, options.zero, options.offload, self.calib, mem_bw, bw, lat)
