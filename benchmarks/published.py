@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._published_rows import ROWS, SEQ, VOCAB, Row  # noqa: E402
 from benchmarks.exit_teardown import provenance  # noqa: E402
 from whale.cluster import CATALOG  # noqa: E402
-from whale.planner.steptime.estimate import DevicePool  # noqa: E402
-from whale.planner.memory import MemoryOptions  # noqa: E402
-from whale.planner.search import Candidate, Constraints, enumerate_candidates, search  # noqa: E402
 from whale.planner.gpt import GPTShape  # noqa: E402
+from whale.planner.memory import MemoryOptions  # noqa: E402
 from whale.planner.roofline import Roofline  # noqa: E402
+from whale.planner.search import Candidate, Constraints, enumerate_candidates, search  # noqa: E402
+from whale.planner.steptime.estimate import DevicePool  # noqa: E402
 from whale.planner.transformer_estimate import TransformerEstimator  # noqa: E402
 from whale.planner.transformer_memory import in_flight_layers, stage_peak  # noqa: E402
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from whale.cluster import CATALOG
-from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
-from whale.planner.memory import MemoryOptions
-from whale.planner.model_desc import transformer
-from whale.planner.search import Candidate, Constraints, enumerate_candidates
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import check_split, legal_split_degrees, split_blockers
+from whale.planner.memory import MemoryOptions
+from whale.planner.model_desc import transformer
 from whale.planner.roofline import Roofline
+from whale.planner.search import Candidate, Constraints, enumerate_candidates
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
 from whale.planner.transformer_estimate import TransformerEstimator
 
 A100 = CATALOG["A100-80GB"]

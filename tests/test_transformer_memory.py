@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from whale.planner.gpt import GPTShape, parse_gpt
 from whale.planner.memory import MemoryOptions
 from whale.planner.search import Candidate
-from whale.planner.gpt import GPTShape, parse_gpt
 from whale.planner.transformer_memory import (
     ALLOCATOR_OVERHEAD,
     head_activation_bytes,

@@ -45,8 +45,15 @@ def seed_calibration(argv: list[str], path: str) -> None:
 
     from whale.frontend import hwplan
     from whale.frontend.unit_keys import unit_keys
-    from whale.planner.calibration_cache import Calibration, EngineTiming, UnitTiming, machine_key, model_signature, save
     from whale.plan_cli import factory_kwargs, load_factory
+    from whale.planner.calibration_cache import (
+        Calibration,
+        EngineTiming,
+        UnitTiming,
+        machine_key,
+        model_signature,
+        save,
+    )
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", required=True)

@@ -81,10 +81,10 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
 
     Raises:
         ValueError: a bad description, degree or cluster; NoFeasiblePlanError: nothing fits."""
-    from whale.planner.memory import MemoryOptions
-    from whale.planner.search import Constraints, enumerate_candidates, search
     from whale.planner.legality import check_split
+    from whale.planner.memory import MemoryOptions
     from whale.planner.roofline import Roofline
+    from whale.planner.search import Constraints, enumerate_candidates, search
     from whale.planner.transformer_estimate import TransformerEstimator
 
     shape, pool = load_shape(ns.model_desc), _pool(ns)

@@ -50,7 +50,7 @@ class LayerDesc:
         expert_params: of ``params``, the elements inside the experts (what expert parallelism shards).
         forward_flops: forward FLOPs per sample (what activation checkpointing recomputes); default flops / 3.
         split_dims: sizes a split of this layer cuts (heads, key/value heads, width, vocabulary); a split degree
-            must divide each (:meth:`DefaultEstimator.split_ok <whale.planner.steptime.estimate.DefaultEstimator.split_ok>`).
+            must divide each (``whale.planner.steptime.estimate.DefaultEstimator.split_ok``).
     """
 
     name: str

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from whale.planner.steptime.cost import p2p_time, ring_allgather_time, ring_allreduce_time
-from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
-from whale.planner.search import Candidate, Estimate
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import split_legal
 from whale.planner.roofline import Roofline, attention_seconds, embedding_seconds, ffn_seconds, head_seconds
+from whale.planner.search import Candidate, Estimate
+from whale.planner.steptime.cost import p2p_time, ring_allgather_time, ring_allreduce_time
+from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
 from whale.planner.transformer_memory import ALLOCATOR_OVERHEAD, in_flight_layers, stage_peak
 
 
