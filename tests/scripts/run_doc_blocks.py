@@ -73,7 +73,8 @@ def _command(block: dict) -> None:
 
     argv = shlex.split(block["text"])
     assert argv[0] == "whale", argv
-    if argv[1:2] == ["simulate"] and os.environ.get("WHALE_CALIBRATION"):
+    if argv[1:2] == ["simulate"] and "--model-desc" not in argv and os.environ.get("WHALE_CALIBRATION"):
+        # a described model is predicted from the step-time model alone: no calibration to seed
         seed_calibration(argv[2:], os.environ["WHALE_CALIBRATION"])
     try:
         rc = main(argv[1:])
