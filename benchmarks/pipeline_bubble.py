@@ -11,7 +11,6 @@ and with the event simulator fed the measured per-micro-batch forward/backward t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 
 
 class Block(nn.Module):
@@ -87,6 +87,7 @@ def _worker(rank, world, args):
 
 
 def main() -> None:
+    run = Run()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2, help="ranks = stages (keep <= CPU cores)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
@@ -114,9 +115,7 @@ def main() -> None:
         print(f"{r['schedule']:>8} {r['micro_batches']:>3} {r['theory']:>7.3f}  {meas:<16} {sim:<16} {fwd:<12} "
               f"{bwd:<12} {err:.3f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"results": results, "args": vars(args)}, f, indent=2)
+        run.write(args.out, {"results": results, "args": vars(args)})
         print(f"wrote {args.out}")
 
 
