@@ -5,7 +5,8 @@ A :class:`Run` is started when a benchmark starts. A daemon thread samples the h
 the shared host was *during* the run, not only before it. :meth:`Run.write` writes a fresh file (never merges
 an old one) with a ``provenance`` block:
 
-- ``commit``: ``git rev-parse HEAD``, with ``+dirty`` when tracked files have uncommitted changes;
+- ``commit``: ``git rev-parse HEAD`` at the run's start, with ``+dirty`` when tracked files had uncommitted
+  changes;
 - ``command``: the exact command (interpreter name and ``sys.argv``);
 - ``date`` / ``date_end``: UTC start and end (ISO 8601);
 - ``load_1min``: ``min`` / ``median`` / ``max`` / ``samples`` of the sampled load, and ``cores``;
@@ -63,6 +64,7 @@ class Run:
 
     def __init__(self, interval_s: float = 5.0) -> None:
         self.start = time.time()
+        self.commit = commit()  # at the start: the code that ran, even if the tree changes during the run
         self.samples: list[tuple[float, float]] = [(self.start, os.getloadavg()[0])]
         self._stop = threading.Event()
         self._interval = interval_s
@@ -85,7 +87,7 @@ class Run:
         self.samples.append((now, os.getloadavg()[0]))
         t0 = self.start if since is None else since
         loads = [v for t, v in self.samples if t >= t0] or [self.samples[-1][1]]
-        return {"commit": commit(), "command": command(), "date": _utc(t0), "date_end": _utc(now),
+        return {"commit": self.commit, "command": command(), "date": _utc(t0), "date_end": _utc(now),
                 "load_1min": {"min": round(min(loads), 2), "median": round(statistics.median(loads), 2),
                               "max": round(max(loads), 2), "samples": len(loads)},
                 "cores": os.cpu_count(), "wall_s": round(now - t0, 1)}

@@ -14,11 +14,13 @@ weighted by rows / global batch). torch computes ``F.mse_loss`` (a per-sample me
 are those of the mean of the micro-batch losses; micro-batches have equal rows, so that mean is the global
 batch mean, and torch's step loss is reported as ``mean(losses)`` from its last stage.
 
-Steps are interleaved (Whale, torch, then torch, Whale, ...) so host drift hits both alike; each step is
-timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = torch's median step seconds
-/ Whale's (goal >= 1.0). A Whale step includes what its API returns (the global loss all-reduced to every
-rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
-stage and is read outside the timed region).
+Steps are paired (:mod:`benchmarks._paired`: rounds of one step each in ABBA order, warm-up rounds discarded)
+so host drift hits both alike; each step is timed between barriers on both ranks.
+``throughput_ratio_vs_torch_pipelining`` = the median over rounds of torch's step seconds / Whale's in the same
+round (goal >= 1.0), with its IQR and ``goal_met`` (``"unclear"`` when the IQR straddles 1.0) in ``paired``.
+A Whale step includes what its API returns (the global loss all-reduced to every rank); torch's
+step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last stage and is
+read outside the timed region).
 
     python benchmarks/vs_torch_pipelining.py --out benchmarks/results/vs_torch_pipelining.json
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -40,6 +41,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._paired import rounds, summary  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B")
@@ -102,16 +105,19 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(rows * args.micro_batches, dim, generator=g)
     y = torch.randn(rows * args.micro_batches, dim, generator=g)
-    times: dict[str, list[float]] = {"whale": [], "torch": []}
     losses: dict[str, list] = {"whale": [], "torch": []}
     runners = {"whale": whale_step, "torch": torch_step}
-    for i in range(args.warmup + args.steps):
-        order = ("whale", "torch") if i % 2 == 0 else ("torch", "whale")
-        for name in order:
-            seconds, loss = _timed(lambda n=name: runners[n](x, y))
+
+    def timer(name):
+        """One timed step of one framework; keeps its loss (every step, warm-up included, in step order)."""
+        def run():
+            seconds, loss = _timed(lambda: runners[name](x, y))
             losses[name].append([float(v.detach()) for v in loss] if isinstance(loss, list) else loss)
-            if i >= args.warmup:
-                times[name].append(seconds)
+            return seconds
+        return run
+
+    whale_s, torch_s = rounds(timer("whale"), timer("torch"), args.steps, args.warmup)
+    times = {"whale": whale_s, "torch": torch_s}
     torch_losses = [statistics.fmean(ls) for ls in losses["torch"]] if rank == world - 1 else None
     gathered = [None] * world
     dist.all_gather_object(gathered, torch_losses)
@@ -123,10 +129,12 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
 def _record(dim: int, rows: int, schedule: str, times: dict, whale_losses: list, torch_losses: list) -> dict:
     """The JSON record of one case."""
     med = {k: statistics.median(v) for k, v in times.items()}
+    paired = summary(times["whale"], times["torch"], goal=1.0, names=("whale", "torch"))
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(whale_losses, torch_losses, strict=True)]
     return {"schedule": schedule, "dim": dim, "rows_per_micro_batch": rows,
             "whale_step_s": med["whale"], "torch_step_s": med["torch"],
-            "throughput_ratio_vs_torch_pipelining": med["torch"] / med["whale"],
+            "throughput_ratio_vs_torch_pipelining": paired["median"], "paired": paired,
+            "goal_met": paired["goal_met"],
             "first_loss_whale": whale_losses[0], "first_loss_torch": torch_losses[0],
             "first_loss_rel_diff": rel[0], "max_loss_rel_diff_all_steps": max(rel),
             "losses_whale": whale_losses, "losses_torch": torch_losses, "raw_step_s": times}
@@ -141,23 +149,22 @@ def worker(rank: int, world: int, args) -> list[dict]:
     return results if rank == 0 else []
 
 
-def report(results: list[dict], args, seconds: float | None = None) -> dict:
+def report(results: list[dict], args, seconds: float | None = None, run: Run | None = None) -> dict:
     """Print the table; write ``{"args": ..., "results": ...}`` to ``args.out`` when given. Returns that dict."""
     print(f"{'model':>10} {'schedule':>8} {'whale ms':>9} {'torch ms':>9} {'ratio':>7}  {'goal':<5} "
           f"{'loss whale':>11} {'loss torch':>11} {'rel diff':>9}")
     for r in results:
         ratio = r["throughput_ratio_vs_torch_pipelining"]
-        r["goal_met"] = ratio >= 1.0
+        met = {True: "met", False: "NOT", "unclear": "?IQR"}[r["goal_met"]]
         model = f"d{r['dim']}x{r['rows_per_micro_batch']}"
         print(f"{model:>10} {r['schedule']:>8} {r['whale_step_s'] * 1e3:>9.2f} {r['torch_step_s'] * 1e3:>9.2f} "
-              f"{ratio:>7.3f}  {'met' if r['goal_met'] else 'NOT':<5} {r['first_loss_whale']:>11.6f} "
+              f"{ratio:>7.3f}  {met:<5} {r['first_loss_whale']:>11.6f} "
               f"{r['first_loss_torch']:>11.6f} {r['first_loss_rel_diff']:>9.1e}")
-    print("ratio = torch step / Whale step (throughput ratio, goal >= 1.0); losses of the first step")
+    print("ratio = median paired torch step / Whale step (throughput ratio, goal >= 1.0; ?IQR: the IQR straddles "
+          "it); losses of the first step")
     out = {"args": vars(args), "results": results, "wall_s": seconds}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        out = (run or Run()).write(args.out, out)
         print(f"wrote {args.out}")
     return out
 
@@ -171,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny-rows", type=int, default=512, help="rows per micro-batch of the tiny model")
     p.add_argument("--dim", type=int, default=512, help="the larger model's width")
     p.add_argument("--rows", type=int, default=256, help="rows per micro-batch of the larger model")
-    p.add_argument("--steps", type=int, default=60, help="timed steps per framework and case")
+    p.add_argument("--steps", type=int, default=60, help="measured paired rounds (one step of each) per case")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -181,10 +188,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     """Launch 2 ranks, run every case, report."""
+    run = Run()
     args = parse_args()
     start = time.perf_counter()
     results = launch(worker, 2, args)[0]
-    report(results, args, time.perf_counter() - start)
+    report(results, args, time.perf_counter() - start, run)
 
 
 if __name__ == "__main__":
