@@ -215,8 +215,10 @@ def side_search(ctx, cfg: dict, side: str, stages: int, start: int) -> dict:
         if (layers, embd) not in tried:
             tried[layers, embd] = trial(ctx, cfg, side, stages, layers, embd)
             t = tried[layers, embd]
-            print(f"{side:>14} pp{stages} n_layer={layers:>3} n_embd={embd:>3} params={t.get('params', 0) / 1e6:6.2f}M"
-                  f": {'trains' if t['trains'] else 'fails: ' + t['how'][:100]}", flush=True)
+            if ctx.rank == 0:
+                print(f"{side:>14} pp{stages} n_layer={layers:>3} n_embd={embd:>3} "
+                      f"params={t.get('params', 0) / 1e6:6.2f}M: "
+                      f"{'trains' if t['trains'] else 'fails: ' + t['how'][:100]}", flush=True)
         return tried[layers, embd]["trains"]
 
     depth, depth_fail = boundary(lambda n: run(n, cfg["embd"]), start, least=stages)

@@ -15,7 +15,8 @@ an old one) with a ``provenance`` block:
 A JSON made of parts measured by different runs (``benchmarks/planner.py --merge``) is written by
 :class:`PartsFile`: ``provenance.parts`` lists, for each part, its own commit, command, dates, load and wall
 time and the keys it wrote; merging is explicit (``merge=True``), and a missing, empty or unreadable old file
-is read as "no earlier parts" with one printed line saying so.
+is read as "no earlier parts" with one printed line saying so; an old file without ``provenance.parts`` keeps
+its keys as part ``unrecorded`` (commit and command unknown), so a merged file always says which keys are whose.
 """
 
 from __future__ import annotations
@@ -133,10 +134,15 @@ class PartsFile:
         except (OSError, ValueError) as e:
             print(f"{self.path}: not readable as JSON ({type(e).__name__}); no earlier parts kept", flush=True)
             return
-        parts = old.get("provenance", {}).get("parts") if isinstance(old, dict) else None
-        if not isinstance(parts, dict):
-            print(f"{self.path}: has no provenance.parts; no earlier parts kept", flush=True)
+        if not isinstance(old, dict):
+            print(f"{self.path}: not a JSON object; no earlier parts kept", flush=True)
             return
+        parts = old.get("provenance", {}).get("parts")
+        if not isinstance(parts, dict):  # written before this helper: kept, and labelled as of unknown origin
+            keys = sorted(k for k in old if k != "provenance")
+            parts = {"unrecorded": {"commit": "unknown: written before benchmarks/_provenance.py",
+                                    "command": "unknown", "keys": keys}}
+            print(f"{self.path}: no provenance.parts; its {len(keys)} keys kept as part 'unrecorded'", flush=True)
         for name, prov in parts.items():
             self.parts[name] = prov
             self.data.update({k: old[k] for k in prov.get("keys", ()) if k in old})
@@ -146,6 +152,8 @@ class PartsFile:
         Keys an earlier version of the part wrote and this one does not are dropped."""
         for k in self.parts.get(name, {}).get("keys", ()):
             self.data.pop(k, None)
+        for other in self.parts.values():  # a key belongs to the part that wrote it last
+            other["keys"] = [k for k in other.get("keys", ()) if k not in keys]
         self.data.update(keys)
         self.parts[name] = {**self.run.record(since), "keys": sorted(keys)}
         self.write()

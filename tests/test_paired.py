@@ -88,3 +88,16 @@ def test_parts_file_merges_only_when_asked(tmp_path):
     fresh.add("auto", {"a": 4}, since=run.start)
     run.stop()
     assert set(json.loads(out.read_text())) == {"a", "provenance"}
+
+
+def test_parts_file_labels_the_keys_of_an_old_file(tmp_path):
+    out = tmp_path / "old.json"
+    out.write_text(json.dumps({"k": 1, "j": 2}))
+    run = _provenance.Run(interval_s=10)
+    parts = _provenance.PartsFile(out, run, merge=True)
+    parts.add("auto", {"j": 3}, since=run.start)
+    run.stop()
+    d = json.loads(out.read_text())
+    assert (d["k"], d["j"]) == (1, 3)
+    assert d["provenance"]["parts"]["unrecorded"]["keys"] == ["k"]
+    assert d["provenance"]["parts"]["unrecorded"]["commit"].startswith("unknown")
