@@ -48,13 +48,15 @@ def _spec(budget: float, host_per_node: float | None):
 
 def _forced(side: str, stages: int) -> list[dict]:
     """The memory settings a refused size is tried with on the roomy spec: none for data parallelism; for the
-    best side the strongest combinations for the layout's lanes (ZeRO-3 + checkpointing; offload + ZeRO-2 +
-    checkpointing; with one lane, offload + checkpointing)."""
+    best side the strongest combinations for the layout's lanes (ZeRO-3 + offload + checkpointing; ZeRO-3 +
+    checkpointing; ZeRO-2 + offload + checkpointing; with one lane, offload + checkpointing), tried in turn until
+    one trains."""
     if side == "data_parallel":
         return [{}]
     if 4 // stages == 1:
         return [{"offload": "optimizer", "activation_checkpoint": "all"}]
-    return [{"zero": 3, "activation_checkpoint": "all"},
+    return [{"zero": 3, "offload": "optimizer", "activation_checkpoint": "all"},
+            {"zero": 3, "activation_checkpoint": "all"},
             {"zero": 2, "offload": "optimizer", "activation_checkpoint": "all"}]
 
 

@@ -3,7 +3,8 @@ a fixed device budget (Whale's best vs pure data parallelism), ZeRO-3 vs FSDP2 (
 
     python benchmarks/memory.py --out benchmarks/results/memory.json      # ~15 min on 2 CPU cores
 
-Writes the JSON (keys below), a PNG of per-rank memory by category for each configuration beside it
+Writes the JSON fresh (keys below; ``--merge`` keeps the parts skipped now from the earlier file, each part's
+provenance under ``provenance.parts``), a PNG of per-rank memory by category for each configuration beside it
 (``memory.png``), and prints the tables.
 
 - ``memory_prediction_max_rel_error``: max over ranks and configurations of |predicted - measured| / measured
@@ -33,7 +34,7 @@ from benchmarks._memory_largest import bisect_worker, summarize  # noqa: E402
 from benchmarks._memory_plot import plot_memory  # noqa: E402
 from benchmarks._memory_precision import precision_gap  # noqa: E402
 from benchmarks._memory_runs import CONFIGS, MEASURED, dispatch_overhead, rank_rows, worker  # noqa: E402
-from benchmarks._provenance import Run  # noqa: E402
+from benchmarks._provenance import PartsFile, Run  # noqa: E402
 
 
 def _prediction(base: dict) -> dict:
@@ -95,42 +96,42 @@ def main() -> None:
     p.add_argument("--precision-lr", type=float, default=1e-3,
                    help="peak LR of the bf16-vs-fp32 runs (the job's 3e-3 suits its 600 steps, not 200)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: prediction,largest,precision")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the parts skipped now from the earlier --out file (each part's provenance is kept)")
     args = p.parse_args()
     run = Run()
     skip = set(args.skip.split(",")) - {""}
     base = {"layers": args.layers, "embd": args.embd, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
             "micro_batches": args.micro_batches, "steps": args.steps}
-    out: dict = {"model": {k: base[k] for k in ("layers", "embd", "vocab", "seq")}, "global_batch": args.batch,
-                 "micro_batches": args.micro_batches, "world_size": 4, "layout": "2 pipeline stages x 2 lanes, 1F1B",
-                 "cluster": "examples/clusters/v100_p100.yaml (EMULATED: CPU ranks imitating V100/P100)"}
-    t0 = time.time()
-
-    def write() -> None:
-        """The JSON so far (each part adds to it: a later part that fails or times out loses nothing)."""
-        run.write(args.out, out)
-
+    out = PartsFile(args.out, run, merge=args.merge)  # rewritten after each part: a later failure loses nothing
+    out.add("setup", {"model": {k: base[k] for k in ("layers", "embd", "vocab", "seq")}, "global_batch": args.batch,
+                      "micro_batches": args.micro_batches, "world_size": 4,
+                      "layout": "2 pipeline stages x 2 lanes, 1F1B",
+                      "cluster": "examples/clusters/v100_p100.yaml (EMULATED: CPU ranks imitating V100/P100)"},
+            time.time())
     if "prediction" not in skip:
-        out.update(_prediction(base))
-        png = os.path.splitext(args.out)[0] + ".png"
-        plot_memory(out["configurations"], png)
-        out["png"] = png
-        print(f"prediction errors: {json.dumps(out['prediction_rel_error_by_configuration'], indent=1)}")
-        write()
+        since = time.time()
+        got = _prediction(base)
+        got["png"] = os.path.splitext(args.out)[0] + ".png"
+        plot_memory(got["configurations"], got["png"])
+        print(f"prediction errors: {json.dumps(got['prediction_rel_error_by_configuration'], indent=1)}")
+        out.add("prediction", got, since)
     if "largest" not in skip:
-        out["largest_model"] = _largest(args)
+        since = time.time()
+        got = {"largest_model": _largest(args)}
         for k in ("largest_params_ratio_vs_dp", "largest_dp_params", "largest_best_params"):
-            out[k] = out["largest_model"][k]
-        write()
+            got[k] = got["largest_model"][k]
+        out.add("largest", got, since)
     if "precision" not in skip:
-        out["precision"] = precision_gap(args.precision_steps, args.precision_lr)
+        since = time.time()
+        got = {"precision": precision_gap(args.precision_steps, args.precision_lr)}
         for k in ("bf16_vs_fp32_final_loss_gap", "fp32_seed_to_seed_final_loss_gap"):
-            out[k] = out["precision"][k]
-    out.update(_zero3())
-    out["wall_s"] = time.time() - t0
+            got[k] = got["precision"][k]
+        out.add("precision", got, since)
+    out.add("zero3", _zero3(), time.time())
     keys = ("memory_prediction_max_rel_error", "largest_params_ratio_vs_dp", "bf16_vs_fp32_final_loss_gap",
-            "fp32_seed_to_seed_final_loss_gap", "zero3_vs_fsdp2_throughput", "zero3_vs_fsdp2_peak_memory", "wall_s")
-    print(json.dumps({k: out.get(k) for k in keys}, indent=1))
-    write()
+            "fp32_seed_to_seed_final_loss_gap", "zero3_vs_fsdp2_throughput", "zero3_vs_fsdp2_peak_memory")
+    print(json.dumps({k: out.data.get(k) for k in keys}, indent=1))
     print(f"written to {args.out}")
 
 
