@@ -147,6 +147,10 @@ def _provenance_rows(cache: dict) -> list[str]:
                    f"{cite(f, 'provenance.load_1min.max', load['max'], 2)}] | {p.get('cores', '')} | "
                    f"{cite(f, 'provenance.wall_s', p['wall_s'], 0)} |")
         for name, part in p.get("parts", {}).items():
+            if "date" not in part:
+                keys = ", ".join(f"`{k}`" for k in part.get("keys", ()))
+                out.append(f"| `{f}` part `{name}` | {part.get('commit', 'unknown')}: {keys} | | | | |")
+                continue
             out.append(f"| `{f}` part `{name}` | `{part['commit'][:12]}` | {part['date']} | "
                        f"{cite(f, f'provenance.parts.{name}.load_1min.median', part['load_1min']['median'], 2)} | "
                        f"{part.get('cores', '')} | {cite(f, f'provenance.parts.{name}.wall_s', part['wall_s'], 0)} |")
