@@ -42,9 +42,11 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    """``HEAD``'s hash, with ``+dirty`` when tracked files differ from it ('unknown' outside a git checkout)."""
+    """``HEAD``'s hash, with ``+dirty`` when tracked files other than ``benchmarks/results/`` differ from it
+    ('unknown' outside a git checkout)."""
     head = _git("rev-parse", "HEAD") or "unknown"
-    return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+    return head + ("+dirty" if changed else "")  # results being rewritten do not make the code dirty
 
 
 def command() -> str:
