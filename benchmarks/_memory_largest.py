@@ -206,7 +206,10 @@ def _planner_depth(ctx, cfg: dict, stages: int) -> int | None:
         except PLAN_ERRORS:
             return False
 
-    return boundary(ok, max(stages, 8), least=stages)[0]
+    depth = boundary(ok, max(stages, 8), least=stages)[0]
+    if ctx.rank == 0:
+        print(f"planner alone, {stages} stage(s): largest depth it accepts {depth}", flush=True)
+    return depth
 
 
 def side_search(ctx, cfg: dict, side: str, stages: int, start: int) -> dict:
