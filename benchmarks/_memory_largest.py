@@ -242,10 +242,15 @@ def bisect_worker(rank: int, world: int, cfg: dict) -> dict:
     import whale as wh
 
     ctx = wh.init(wh.Config(num_micro_batch=cfg["micro_batches"], seed=0))
-    planner = {name: _planner_depth(ctx, cfg, s) for name, s in LAYOUTS.items()}
+    layouts = cfg.get("best_layouts") or list(LAYOUTS)
+    if len(layouts) > 1 or not cfg.get("best_start"):
+        planner = {name: _planner_depth(ctx, cfg, LAYOUTS[name]) for name in layouts}
+    else:  # one layout and a start given: no planner-only scan (each plan of a deep model costs minutes here)
+        planner = {layouts[0]: None}
     best_layout = max(planner, key=lambda n: planner[n] or 0)
     dp = side_search(ctx, cfg, "data_parallel", 1, cfg.get("dp_start", 8))
-    best = side_search(ctx, cfg, "best", LAYOUTS[best_layout], planner[best_layout] or LAYOUTS[best_layout])
+    start = cfg.get("best_start") or planner[best_layout] or LAYOUTS[best_layout]
+    best = side_search(ctx, cfg, "best", LAYOUTS[best_layout], start)
     return {"planner_depth_by_layout": planner, "best_layout": best_layout, "data_parallel": dp, "best": best}
 
 

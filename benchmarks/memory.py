@@ -58,8 +58,10 @@ def _prediction(base: dict) -> dict:
 
 def _largest(args) -> dict:
     """Each side's largest GPT under the fixed budget, bisected and decided by measurement."""
-    cfg = {"budget": args.budget, "host_per_node": args.host_per_node, "vocab": 2048, "seq": 64, "embd": 128,
-           "batch": 16, "micro_batches": 4, "dp_start": args.dp_start}
+    cfg = {"budget": args.budget, "host_per_node": args.host_per_node, "vocab": args.largest_vocab, "seq": 64,
+           "embd": 128,
+           "batch": 16, "micro_batches": 4, "dp_start": args.dp_start,
+           "best_layouts": [x for x in args.best_layouts.split(",") if x], "best_start": args.best_start}
     result = launch(bisect_worker, 4, cfg, 3000.0)[0]
     summary = summarize(result)
     print(json.dumps(summary, indent=1), flush=True)
@@ -91,7 +93,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget", type=float, default=48e6, help="device bytes per rank for the largest-model ladder")
     p.add_argument("--host-per-node", type=float, default=2e9, help="host bytes per node (2 ranks) for the ladder")
+    p.add_argument("--largest-vocab", type=int, default=2048, help="vocabulary of the largest-model GPTs")
     p.add_argument("--dp-start", type=int, default=8, help="depth the data-parallel bisection starts from")
+    p.add_argument("--best-layouts", default="", help="comma list of layouts the best side may use (default all: "
+                   "data_parallel,pp2_dp2,pp4, the one the planner alone takes deepest is searched)")
+    p.add_argument("--best-start", type=int, default=0,
+                   help="depth the best side's bisection starts from (default: the planner-only boundary)")
     p.add_argument("--precision-steps", type=int, default=200)
     p.add_argument("--precision-lr", type=float, default=1e-3,
                    help="peak LR of the bf16-vs-fp32 runs (the job's 3e-3 suits its 600 steps, not 200)")
