@@ -274,7 +274,7 @@ def _all_met(flags: list) -> bool | str:
 
 
 def main() -> None:
-    run = Run()
+    prov = Run()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small model, few steps (~30 s): a smoke test")
     ap.add_argument("--out", default=None, help="write the results as JSON here (and a PNG next to it)")
@@ -290,7 +290,7 @@ def main() -> None:
     res["quick"] = args.quick
     print(report(res))
     if args.out:
-        res = run.write(args.out, res)
+        res = prov.write(args.out, res)
         png = os.path.splitext(args.out)[0] + ".png"
         plot(res, png)
         print(f"wrote {args.out} and {png} (EMULATED)")
