@@ -160,6 +160,25 @@ class PartsFile:
         self.parts[name] = {**self.run.record(since), "keys": sorted(keys)}
         self.write()
 
+    def absorb(self, path: str | os.PathLike) -> None:
+        """Take every part (keys and provenance) of another parts file, e.g. one a concurrent run wrote, and
+        rewrite this file.
+
+        Raises:
+            ValueError: ``path`` has no ``provenance.parts``.
+        """
+        other = json.loads(Path(path).read_text())
+        parts = other.get("provenance", {}).get("parts")
+        if not isinstance(parts, dict):
+            raise ValueError(f"{path}: no provenance.parts to merge; write it with PartsFile (planner.py --out)")
+        for name, prov in parts.items():
+            keys = {k: other[k] for k in prov.get("keys", ()) if k in other}
+            for mine in self.parts.values():
+                mine["keys"] = [k for k in mine.get("keys", ()) if k not in keys]
+            self.data.update(keys)
+            self.parts[name] = prov
+        self.write()
+
     def write(self) -> None:
         """Write the data so far and ``provenance`` (this run's, plus ``parts``)."""
         _dump(self.path, {**self.data, "provenance": {**self.run.record(), "parts": self.parts}})

@@ -59,9 +59,13 @@ def main() -> None:
                     "benchmarks/_planner_heldout.HELDOUT)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the parts skipped now from the earlier --out file (their provenance kept per part)")
+    ap.add_argument("--merge-from", default="", help="also merge every part of this parts file (e.g. one written "
+                    "by a concurrent run with another --out), each with its own provenance")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
-    out = PartsFile(args.out, run, merge=args.merge)
+    out = PartsFile(args.out, run, merge=args.merge or bool(args.merge_from))
+    if args.merge_from:
+        out.absorb(args.merge_from)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # parts write PNGs beside it
     for name, part in PARTS.items():
         if name in skip:

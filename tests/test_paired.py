@@ -101,3 +101,17 @@ def test_parts_file_labels_the_keys_of_an_old_file(tmp_path):
     assert (d["k"], d["j"]) == (1, 3)
     assert d["provenance"]["parts"]["unrecorded"]["keys"] == ["k"]
     assert d["provenance"]["parts"]["unrecorded"]["commit"].startswith("unknown")
+
+
+def test_parts_file_absorbs_the_parts_of_another_file(tmp_path):
+    run = _provenance.Run(interval_s=10)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    _provenance.PartsFile(a, run).add("auto", {"x": 1, "y": 1}, since=run.start)
+    _provenance.PartsFile(b, run).add("heldout", {"y": 2, "z": 3}, since=run.start)
+    merged = _provenance.PartsFile(a, run, merge=True)
+    merged.absorb(b)
+    run.stop()
+    d = json.loads(a.read_text())
+    assert (d["x"], d["y"], d["z"]) == (1, 2, 3)
+    parts = d["provenance"]["parts"]
+    assert parts["auto"]["keys"] == ["x"] and parts["heldout"]["keys"] == ["y", "z"]
