@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-hf test lint bench clean
+.PHONY: setup train train-hf test lint bench report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/dp_overhead.py --out benchmarks/results/dp_overhead.json
+
+report: $(STAMP)
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) data/shakespeare checkpoints

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._models import Block
+from benchmarks._paired import summary
 
 
 # --- model ---------------------------------------------------------------------------------------------------
@@ -124,8 +125,11 @@ def pp_analysis(res: dict, fwd, bwd, rest_f, rest_b) -> dict:
                              [b / v for (_, b), v in zip(work, sp, strict=True)], m)
 
     sim_u, sim_best, sim_a = sim(res["uniform"]["counts"], sp_u), sim(best, sp_a), sim(res["aware"]["counts"], sp_a)
-    measured = res["uniform"]["step_s"] / res["aware"]["step_s"]
-    return {"best_counts": best, "uniform_bottleneck": t_uni, "best_bottleneck": t_best,
+    paired = summary(res["aware"]["times"], res["uniform"]["times"], goal=0.9 * t_uni / t_best,
+                     names=("aware", "uniform"))  # rounds alternate uniform/aware (ABBA): adjacent pairs
+    measured = paired["median"]
+    return {"measured_speedup_paired": paired, "best_counts": best,
+            "uniform_bottleneck": t_uni, "best_bottleneck": t_best,
             "aware_bottleneck": t_aware, "fluid_bottleneck": t_fluid,
             "ideal_speedup": t_uni / t_best, "fluid_speedup": t_uni / t_fluid,
             "aware_cut_speedup": t_uni / t_aware, "bound_speedup": sim_u / sim_best,

@@ -10,7 +10,10 @@ chooses for the unannotated model, ranked by the calibrated estimator
 cached). Every engine is built in one launch and measured round by round (interleaved, the order reversed every other
 round, median seconds per step), so they share the host's load.
 
-``auto_vs_best_enumerated`` = best measured step time of the enumerated plans / the auto plan's (goal >= 0.95).
+The best enumerated plan (least median step time in that sweep) is then measured against the auto plan in
+paired rounds (:mod:`benchmarks._paired`: ABBA order, a warm-up round discarded): ``auto_vs_best_enumerated``
+= the median over rounds of the best plan's step time / the auto plan's in the same round (goal >= 0.95), its
+IQR and ``goal_met`` (``"unclear"`` when the IQR straddles 0.95) in ``auto_vs_best_enumerated_paired``.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks._hetero_common import emulation_setup, interleave, load_spec
+from benchmarks._hetero_common import emulation_setup, interleave, load_spec, timed_steps
 from benchmarks._launch import launch
+from benchmarks._paired import describe, rounds, summary
 
 SPEC = "v100_p100_4.yaml"
 
@@ -68,10 +73,16 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     batch = (x, torch.roll(x, -1, 1))
     engines = _engines(cfg, spec, batch)
     times = interleave(engines, batch, cfg["warmup"], cfg["rounds"], cfg["steps"])
+    choice = [min((n for n in times if n != "auto"), key=lambda n: statistics.median(times[n]))]
+    dist.broadcast_object_list(choice, 0)  # rank 0's pick: every rank times the same pair
+    best = choice[0]
+    auto_s, best_s = rounds(lambda: timed_steps(engines["auto"], batch, cfg["steps"]),
+                            lambda: timed_steps(engines[best], batch, cfg["steps"]), cfg["paired_rounds"], 1)
     if rank != 0:
         return None
-    return {name: {"step_s": statistics.median(t), "times": t, "plan_notes": list(engines[name].plan.notes)}
-            for name, t in times.items()}
+    out = {name: {"step_s": statistics.median(t), "times": t, "plan_notes": list(engines[name].plan.notes)}
+           for name, t in times.items()}
+    return {"sweep": out, "best": best, "paired_s": {"auto": auto_s, best: best_s}}
 
 
 def _calibrate(cfg: dict) -> None:
@@ -90,15 +101,16 @@ def _calibrate(cfg: dict) -> None:
 def run(args) -> dict:
     """Launch the measurement on 4 ranks and summarise (see the module docstring)."""
     cfg = {"vocab": 512, "seq": 64, "layers": 4, "embd": 128, "batch": 16, "warmup": 2,
-           "rounds": getattr(args, "auto_rounds", 5), "steps": 2}
+           "rounds": getattr(args, "auto_rounds", 5), "steps": 2,
+           "paired_rounds": getattr(args, "auto_paired_rounds", 10)}
     _calibrate(cfg)
-    res = launch(worker, 4, cfg)[0]
-    enumerated = {k: v["step_s"] for k, v in res.items() if k != "auto"}
-    best = min(enumerated, key=enumerated.get)
-    ratio = enumerated[best] / res["auto"]["step_s"]
+    got = launch(worker, 4, cfg)[0]
+    res, best = got["sweep"], got["best"]
     for name, v in sorted(res.items(), key=lambda kv: kv[1]["step_s"]):
         print(f"{name:>24}: {v['step_s'] * 1e3:8.2f} ms/step", flush=True)
-    print(f"auto_vs_best_enumerated = {ratio:.3f} (best enumerated: {best})", flush=True)
-    return {"auto_vs_best_enumerated": ratio, "best_enumerated": best, "auto_plan": res["auto"]["plan_notes"],
-            "measured_step_seconds": {k: v["step_s"] for k, v in res.items()}, "setup": {**cfg, "spec": SPEC},
-            "emulated": True}
+    paired = summary(got["paired_s"]["auto"], got["paired_s"][best], goal=0.95, names=("auto", best))
+    print(f"auto_vs_best_enumerated (median paired, best enumerated: {best}) = {describe(paired)}", flush=True)
+    return {"auto_vs_best_enumerated": paired["median"], "auto_vs_best_enumerated_paired": paired,
+            "auto_vs_best_enumerated_goal_met": paired["goal_met"], "best_enumerated": best,
+            "auto_plan": res["auto"]["plan_notes"], "measured_step_seconds": {k: v["step_s"] for k, v in res.items()},
+            "setup": {**cfg, "spec": SPEC}, "emulated": True}

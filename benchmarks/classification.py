@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import whale as wh  # noqa: E402
 from benchmarks._launch import launch as shared_launch  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 from examples.classification.model import backbone_params, build, head_params, hidden_for_bytes  # noqa: E402
 from whale.parallel.split_ops import comm_bytes  # noqa: E402
 from whale.planner.balance import InfeasiblePlanError, balance_batch, balance_shards  # noqa: E402
@@ -343,6 +343,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> dict:
+    run = Run()
     args = parse_args(argv)
     comparisons, large = make_cases(args)
     start = time.perf_counter()
@@ -359,9 +360,7 @@ def main(argv=None) -> dict:
            "seconds": time.perf_counter() - start}
     print(f"done in {out['seconds']:.0f} s")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        out = run.write(args.out, out)
         png = os.path.splitext(args.out)[0] + ".png"
         plot(results, png)
         print(f"wrote {args.out} and {png}")

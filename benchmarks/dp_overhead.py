@@ -1,7 +1,9 @@
 """Whale's replicate (data parallel) vs torch's DistributedDataParallel on the same model, ranks and data.
 
-Both run in the same processes, interleaved round by round (Whale, DDP, Whale, DDP, ...) so that machine noise
-hits both alike; the reported ratio is DDP's median step time over Whale's (throughput ratio, goal >= 0.97).
+Both run in the same processes in paired rounds (:mod:`benchmarks._paired`: ABBA order, warm-up discarded), so
+that machine noise hits both alike; the reported ``throughput_ratio`` is the median over rounds of DDP's step
+time over Whale's in the same round (Whale's throughput over DDP's, goal >= 0.97), with its IQR in
+``throughput_ratio_paired``.
 
     python benchmarks/dp_overhead.py --nproc 2 --steps 30 --out benchmarks/results/dp_overhead.json
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -24,6 +25,8 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
 from benchmarks._models import Block  # noqa: E402
+from benchmarks._paired import describe, rounds, summary  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 
 
 class Net(nn.Module):
@@ -72,21 +75,26 @@ def _worker(rank: int, world: int, args) -> dict:
         loss_fn(ddp(xl), yl).backward()
         ddp_opt.step()
 
-    times = {"whale": [], "ddp": []}
-    for i in range(args.warmup + args.steps):
-        tw = _time(lambda: engine.step((x, y)))
-        td = _time(ddp_step)
-        if i >= args.warmup:
-            times["whale"].append(tw)
-            times["ddp"].append(td)
-    return times
+    def whale_steps():
+        for _ in range(args.round_steps):
+            engine.step((x, y))
+
+    def ddp_steps():
+        for _ in range(args.round_steps):
+            ddp_step()
+
+    whale, ddp_s = rounds(lambda: _time(whale_steps) / args.round_steps, lambda: _time(ddp_steps) / args.round_steps,
+                          args.steps, args.warmup)
+    return {"whale": whale, "ddp": ddp_s}
 
 
 def main() -> None:
+    run = Run()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="measured paired rounds")
+    p.add_argument("--round-steps", type=int, default=3, help="steps of each system per round")
+    p.add_argument("--warmup", type=int, default=2, help="paired rounds discarded first")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=2048)
@@ -97,25 +105,26 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     times = launch(_worker, args.nproc, args)[0]
-    report(times, args)
+    report(times, args, run)
 
 
-def report(times: dict, args) -> None:
-    """Print the table and write JSON."""
+def report(times: dict, args, run: Run) -> None:
+    """Print the table and write JSON (with provenance)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = args.batch * args.seq
-    ratio = med["ddp"] / med["whale"]
+    paired = summary(times["whale"], times["ddp"], goal=0.97, names=("whale", "ddp"))
+    ratio = paired["median"]
     print(f"{'':8} {'median step (ms)':>17} {'tokens/s':>10}")
     for k in ("whale", "ddp"):
         print(f"{k:8} {med[k] * 1e3:>17.1f} {tokens / med[k]:>10.0f}")
-    print(f"throughput ratio Whale / DDP = {ratio:.3f}  (goal >= 0.97)")
+    print(f"throughput ratio Whale / DDP (median paired) = {describe(paired)}")
     result = {"whale_step_s": med["whale"], "ddp_step_s": med["ddp"], "throughput_ratio": ratio,
-              "nproc": args.nproc, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+              "throughput_ratio_paired": paired, "goal_met": paired["goal_met"],
+              "nproc": args.nproc, "rounds": args.steps, "round_steps": args.round_steps,
+              "batch": args.batch, "seq": args.seq,
               "dim": args.dim, "layers": args.layers, "raw": times}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        run.write(args.out, result)
         print(f"wrote {args.out}")
 
 

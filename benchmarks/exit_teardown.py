@@ -25,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "_width_exit_job.py"
+sys.path.insert(0, str(ROOT))
+from benchmarks._provenance import Run  # noqa: E402
 
 
 def run_once(timeout: float) -> tuple[int, bool, float]:
@@ -42,19 +44,6 @@ def run_once(timeout: float) -> tuple[int, bool, float]:
     return proc.returncode, "terminate called" in out, time.perf_counter() - start
 
 
-def provenance(load_before: tuple[float, float, float]) -> dict:
-    """Where the result came from: commit (``+dirty`` with uncommitted changes), command, UTC date, host load
-    (1-minute load average before and after, and the core count)."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return {"commit": git("rev-parse", "HEAD") + dirty, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "load_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-            "cores": os.cpu_count()}
-
-
 def main() -> None:
     """Run the job ``--runs`` times; print and write the exit-code counts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -62,7 +51,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
     p.add_argument("--out", default=None, help="JSON result path")
     args = p.parse_args()
-    load_before = os.getloadavg()
+    run = Run()
     codes, terminated, seconds = [], 0, []
     for i in range(args.runs):
         code, term, s = run_once(args.timeout)
@@ -72,11 +61,10 @@ def main() -> None:
         print(f"run {i + 1}/{args.runs}: exit {code}{' (terminate called)' if term else ''}, {s:.1f} s", flush=True)
     counts = dict(collections.Counter(codes))
     result = {"runs": args.runs, "exit_codes": counts, "exit_0": counts.get(0, 0), "terminate_called": terminated,
-              "seconds": seconds, "job": "benchmarks/_width_exit_job.py (TinyLM, stage widths 3+1, 4 ranks)",
-              "provenance": provenance(load_before)}
-    print(json.dumps(result))
+              "seconds": seconds, "job": "benchmarks/_width_exit_job.py (TinyLM, stage widths 3+1, 4 ranks)"}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result = run.write(args.out, result)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

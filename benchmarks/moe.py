@@ -43,7 +43,6 @@ Beyond the bytes of the token all-to-alls (:mod:`benchmarks._moe_ep` has the mod
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -56,6 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import whale as wh  # noqa: E402
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 from tests.moe_models import MoENet  # noqa: E402
 from whale.parallel.moe import expected_alltoall_bytes  # noqa: E402
 from whale.parallel.split_ops import comm_bytes  # noqa: E402
@@ -193,6 +193,7 @@ def extra_cases(log=print) -> dict:
 
 def main(argv=None) -> dict:
     """Run every case, print a table, write JSON with ``--out``."""
+    run = Run()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--steps", type=int, default=4)
@@ -229,8 +230,7 @@ def main(argv=None) -> dict:
         from benchmarks._moe_ep import plot
 
         plot(out, os.path.splitext(args.out)[0] + ".png")
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        out = run.write(args.out, out)
     return out
 
 

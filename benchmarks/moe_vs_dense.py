@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks._provenance import Run  # noqa: E402
 
 
 def _run(name: str, common: list[str], extra: list[str], workdir: Path, nproc: int) -> dict:
@@ -73,6 +75,7 @@ def _plot(runs: dict, path: str) -> None:
 
 def main(argv=None) -> dict:
     """Train dense then MoE, print the final losses, write JSON (``--out``) and the PNG."""
+    run = Run()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = ap.add_argument
     a("--out", default=None)
@@ -108,8 +111,7 @@ def main(argv=None) -> dict:
               f"{out['final_train_loss_last10_mean'][n]:>15.4f} {r['tokens_per_s']:>8.0f}")
     print(f"MoE - dense final held-out loss: {out['moe_minus_dense_final_val_loss']:+.4f} nats")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        out = run.write(args.out, out)
         _plot(runs, os.path.splitext(args.out)[0] + ".png")
     return out
 

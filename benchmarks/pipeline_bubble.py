@@ -14,11 +14,9 @@ and with the event simulator fed the measured per-micro-batch forward/backward t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +25,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
-from benchmarks._local_provenance import provenance  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 
 
 class Block(nn.Module):
@@ -96,6 +94,7 @@ def _worker(rank, world, args):
 
 
 def main() -> None:
+    run = Run()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2, help="ranks = stages (keep <= CPU cores)")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
@@ -109,7 +108,6 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    start = time.perf_counter()
     results = launch(_worker, args.stages, args)[0]
     print("idle share of the schedule time per stage: measured, event simulation fed the measured per-stage\n"
           "forward/backward times (stages are never exactly equal on shared vCPUs), and theory (schedule_bubble)")
@@ -127,10 +125,7 @@ def main() -> None:
         print(f"{r['schedule']:>15} {r['micro_batches']:>3} {r['theory']:>7.3f}  {meas:<16} {sim:<16} {fwd:<12} "
               f"{bwd:<12} {err:.3f}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"results": results, "args": vars(args), "provenance": provenance(time.perf_counter() - start)},
-                      f, indent=2)
+        run.write(args.out, {"results": results, "args": vars(args)})
         print(f"wrote {args.out}")
 
 

@@ -45,10 +45,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(1, str(ROOT))
 import _rel_failures  # noqa: E402 - the parts beside this file
 import _rel_fallback  # noqa: E402
 import _rel_io  # noqa: E402
-from exit_teardown import provenance  # noqa: E402
+
+from benchmarks._provenance import Run  # noqa: E402
 
 PARTS = ["reshard", "kill", "raise", "fallback", "failures", "io"]
 PY = sys.executable
@@ -193,7 +195,7 @@ def main() -> None:
     p.add_argument("--data-dir", default=str(ROOT / "data/shakespeare"))
     p.add_argument("--skip", nargs="*", default=[], choices=PARTS)
     args = p.parse_args()
-    load_before, result = os.getloadavg(), {}
+    run, result = Run(), {}
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in (("fallback", _rel_fallback.run), ("failures", _rel_failures.run), ("io", _rel_io.run)):
             if part not in args.skip:
@@ -208,10 +210,7 @@ def main() -> None:
             print({k: v for k, v in result.items() if k.startswith("raise")}, flush=True)
         if "kill" not in args.skip:
             result.update(kill_resume(Path(tmp), args))
-    result["provenance"] = provenance(load_before)  # commit, command, date, host load before and after
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    result = run.write(args.out, result)  # with provenance: commit, command, dates, host load, wall time
     print(json.dumps({k: v for k, v in result.items() if not k.endswith("details")}, indent=2))
 
 

@@ -20,11 +20,12 @@ batch mean, and torch's step loss is reported as ``mean(losses)`` from its last 
 
 Steps are paired in ABBA order (Whale, torch, then torch, Whale, ...) so host drift hits both alike; each step is
 timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's
-step seconds / Whale's (goal >= 1.0), with its interquartile range (a local pairing loop: :func:`_paired`).
+step seconds / Whale's (goal >= 1.0), with its interquartile range and ``goal_met`` (``"unclear"`` when the
+IQR straddles 1.0), by :func:`benchmarks._paired.summary`.
 Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
 schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
-(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` +
-``zero_grad`` (its loss stays on the last stage and is read outside the timed region).
+(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
+stage and is read outside the timed region).
 
     python benchmarks/vs_torch_pipelining.py --out benchmarks/results/vs_torch_pipelining.json
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -46,7 +46,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
-from benchmarks._local_provenance import provenance  # noqa: E402
+from benchmarks._paired import summary  # noqa: E402
+from benchmarks._provenance import Run  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
 from whale.plan.schedule import schedule_bubble  # noqa: E402
 
@@ -117,14 +118,6 @@ def _whale_runner(model: Pipe, schedule: str, args):
     return step
 
 
-def _paired(whale: list[float], torch_s: list[float]) -> dict:
-    """Median and interquartile range of the per-pair ratios torch / Whale (local pairing loop; the shared
-    ``benchmarks/_paired.py`` of the figures branch replaces it on merge)."""
-    ratios = sorted(t / w for w, t in zip(whale, torch_s, strict=True))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"median": statistics.median(ratios), "iqr": [q[0], q[2]], "pairs": len(ratios)}
-
-
 def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> dict | None:
     """Both frameworks on one (model, schedule); interleaved timed steps. Returns the case's record on rank 0."""
     torch.manual_seed(args.seed)  # the same model on every rank
@@ -175,11 +168,11 @@ def _record(dim: int, rows: int, schedule: str, times: dict, whale_losses: list,
     """The JSON record of one case."""
     med = {k: statistics.median(v) for k, v in times.items()}
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(whale_losses, torch_losses, strict=True)]
-    paired = _paired(times["whale"], times["torch"])
+    paired = summary(times["whale"], times["torch"], goal=1.0, names=("whale", "torch"))
     return {"schedule": schedule, "dim": dim, "rows_per_micro_batch": rows,
             "whale_step_s": med["whale"], "torch_step_s": med["torch"],
             "throughput_ratio_vs_torch_pipelining": paired["median"], "throughput_ratio_iqr": paired["iqr"],
-            "pairs": paired["pairs"],
+            "pairs": paired["n"], "goal_met": paired["goal_met"], "paired": paired,
             "first_loss_whale": whale_losses[0], "first_loss_torch": torch_losses[0],
             "first_loss_rel_diff": rel[0], "max_loss_rel_diff_all_steps": max(rel),
             "losses_whale": whale_losses, "losses_torch": torch_losses, "raw_step_s": times}
@@ -194,26 +187,23 @@ def worker(rank: int, world: int, args) -> list[dict]:
     return results if rank == 0 else []
 
 
-def report(results: list[dict], args, seconds: float | None = None) -> dict:
+def report(results: list[dict], args, seconds: float | None = None, run: Run | None = None) -> dict:
     """Print the table; write ``{"args", "provenance", "results"}`` to ``args.out`` when given. Returns that dict."""
     print(f"{'model':>10} {'schedule':>15} {'whale ms':>9} {'torch ms':>9} {'ratio':>7} {'IQR':>13}  {'goal':<5} "
           f"{'rel loss diff':>13}  idle share per stage (theory)")
     for r in results:
         ratio = r["throughput_ratio_vs_torch_pipelining"]
-        r["goal_met"] = ratio >= 1.0
         model = f"d{r['dim']}x{r['rows_per_micro_batch']}"
         iqr = "{:.3f}-{:.3f}".format(*r["throughput_ratio_iqr"])
         idle = " ".join(f"{i:.3f}" for i in r["whale_idle_share"])
         print(f"{model:>10} {r['schedule']:>15} {r['whale_step_s'] * 1e3:>9.2f} {r['torch_step_s'] * 1e3:>9.2f} "
-              f"{ratio:>7.3f} {iqr:>13}  {'met' if r['goal_met'] else 'NOT':<5} {r['first_loss_rel_diff']:>13.1e}  "
+              f"{ratio:>7.3f} {iqr:>13}  {str(r['goal_met']):<5} {r['first_loss_rel_diff']:>13.1e}  "
               f"{idle} ({r['theory_idle_share']:.3f})")
     print("ratio = median over ABBA pairs of torch step / Whale step (throughput ratio, goal >= 1.0); loss diff of "
           "the first step; idle = Whale's 1 - busy / schedule makespan, theory = schedule_bubble")
-    out = {"args": vars(args), "provenance": provenance(seconds), "results": results, "wall_s": seconds}
+    out = {"args": vars(args), "results": results, "wall_s": seconds}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        out = (run or Run()).write(args.out, out)
         print(f"wrote {args.out}")
     return out
 
@@ -240,9 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     """Launch 2 ranks, run every case, report."""
     args = parse_args()
-    start = time.perf_counter()
+    run, start = Run(), time.perf_counter()
     results = launch(worker, 2, args)[0]
-    report(results, args, time.perf_counter() - start)
+    report(results, args, time.perf_counter() - start, run)
 
 
 if __name__ == "__main__":

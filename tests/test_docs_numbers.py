@@ -1,0 +1,35 @@
+"""The benchmark numbers in the docs cannot go stale: docs/benchmarks.md's results block is what
+benchmarks/report.py renders from benchmarks/results/*.json now, and every cited number in README.md and
+docs/*.md (``NUMBER<!-- results:FILE:KEY -->``) equals its JSON value at the precision shown. Process-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_rendered_block_is_current():
+    text = report.DOC.read_text()
+    assert report.splice(text, report.render()) == text, "docs/benchmarks.md is stale: run `make report`"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_numbers_match_their_json(path):
+    bad = report.check_citations(path.read_text())
+    assert not bad, f"{path.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_citation_check_catches_a_typed_number():
+    row = next(r for r in report.ROWS if r[2] == "zero3_vs_fsdp2_peak_memory")
+    value = report.lookup(report._load(row[1], {}), row[2])
+    good = report.cite(row[1], row[2], value, 3)
+    assert report.check_citations(f"peak memory ratio {good}") == []
+    wrong = f"{float(good.split('<')[0]) + 0.01:.3f}<!-- results:{row[1]}:{row[2]} -->"
+    assert report.check_citations(wrong), "a number that differs from its JSON must be reported"
+    assert report.check_citations("1.0<!-- results:zero3.json:no_such_key -->")
