@@ -218,6 +218,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
             updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
             between steps); see :mod:`whale.runtime.offload`.
+        sequence_parallel: split regions whose rule supports it run on sequence shards
+            (:mod:`whale.parallel.seqpar`).
     """
 
     world_size: int
@@ -245,6 +247,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     predicted_memory: tuple[float, ...] = ()
     offload: OffloadName = "none"
     moe_layers: tuple[MoELayer, ...] = ()
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -360,5 +363,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
            "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
            "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG,
-           "offload": _choice(OFFLOADS), "moe_layers": _seq(_node(MoELayer), "MoELayer objects")},
+           "offload": _choice(OFFLOADS), "moe_layers": _seq(_node(MoELayer), "MoELayer objects"),
+           "sequence_parallel": _BOOL},
 }

@@ -142,6 +142,7 @@ def make_plan(
         zero=config.zero,
         precision=config.precision,
         offload=config.offload,
+        sequence_parallel=config.sequence_parallel,
     )
 
 
