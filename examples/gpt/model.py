@@ -136,22 +136,22 @@ def _stage_scope(stages: int, width: int | None = None, moe: bool = False):
     return wh.replicate(width if width is not None or stages == 1 else 1)
 
 
-def _replicated(on: bool):
-    """``wh.replicate()`` (data parallel over every device) when ``on``, else no scope."""
+def _replicated(on: bool, width: int | None):
+    """``wh.replicate(width)`` (data parallel; ``None``: over every device) when ``on``, else no scope."""
     if not on:
         return contextlib.nullcontext()
     import whale as wh
 
-    return wh.replicate()
+    return wh.replicate(width)
 
 
-def _block(cfg: GPTConfig, moe_aux: bool, split: bool) -> Block:
-    """One block, built under ``wh.split()`` when ``split``."""
+def _block(cfg: GPTConfig, moe_aux: bool, split: bool, width: int | None) -> Block:
+    """One block, built under ``wh.split(width)`` when ``split``."""
     if not split:
         return Block(cfg, moe_aux=moe_aux)
     import whale as wh
 
-    with wh.split():
+    with wh.split(width):
         return Block(cfg, moe_aux=moe_aux)
 
 
@@ -166,7 +166,8 @@ class GPT(nn.Module):
             devices for one stage of an MoE model): expert parallelism runs over a stage's devices. MoE layers
             before the last stage get no auxiliary loss (the loss runs on the last stage; Whale refuses one
             there), so pipelined MoE models balance their earlier layers' load without it.
-        split_blocks: build every block under ``wh.split()`` (tensor parallelism over its stage's devices; with
+        split_blocks: build every block under ``wh.split(stage_width)`` (tensor parallelism over its stage's devices,
+            the rest of the model under ``wh.replicate(stage_width)`` when not pipelined; with
             ``Config(sequence_parallel=True)`` also sequence parallelism). The blocks' split rule lives in
             :mod:`examples.gpt.tensor_parallel`, which must be imported before planning.
     """
@@ -177,16 +178,16 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.stage_layers = stage_layer_counts(cfg.n_layer, stages, stage_layers)
         outer = split_blocks and stages == 1  # replicate around split blocks: Whale's colocated hybrid
-        with _replicated(outer):
+        with _replicated(outer, stage_width):
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
             self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
             self.drop = nn.Dropout(cfg.dropout)
         blocks: list[Block] = []
         for s, count in enumerate(self.stage_layers):
-            with _stage_scope(stages, stage_width, bool(cfg.moe_experts)):
-                blocks.extend(_block(cfg, s == stages - 1, split_blocks) for _ in range(count))
+            with _stage_scope(stages, None if outer else stage_width, bool(cfg.moe_experts)):
+                blocks.extend(_block(cfg, s == stages - 1, split_blocks, stage_width) for _ in range(count))
         self.blocks = nn.ModuleList(blocks)
-        with _replicated(outer):
+        with _replicated(outer, stage_width):
             self.ln_f = nn.LayerNorm(cfg.n_embd)
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied
