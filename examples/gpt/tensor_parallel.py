@@ -91,3 +91,18 @@ def shard_block(block: Block, group, sizes=None, **ctx) -> Block:
 
 
 wh.register_split_rule(Block, shard_block, dim_size=lambda block: block.attn.n_head)
+
+
+def add_split_args(p) -> None:
+    """``--tensor-parallel`` and ``--sequence-parallel`` on the argparse parser ``p``."""
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="build every block under wh.split(): tensor parallelism over each stage's devices (all of "
+                        "them with --stages 1), attention dropout off")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--tensor-parallel plus sequence parallelism (Config.sequence_parallel): LayerNorm, dropout "
+                        "and the residual stream on sequence shards; --seq-len must be a multiple of the split degree")
+
+
+def split_blocks(args) -> bool:
+    """Whether the flags put the blocks under ``wh.split()``."""
+    return bool(args.tensor_parallel or args.sequence_parallel)
