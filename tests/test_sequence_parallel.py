@@ -31,10 +31,10 @@ from whale.runtime.rng import Stream
 RTOL, ATOL, STEPS, SEED = 1e-5, 1e-6, 3, 0
 
 
-def _model(width: int | None, seq: int = 8) -> GPT:
+def _model(width: int | None, seq: int = 8, stages: int = 1) -> GPT:
     cfg = GPTConfig(vocab_size=40, block_size=seq, n_layer=2, n_head=4, n_embd=16, dropout=0.2, attn_dropout=0.0)
     torch.manual_seed(0)
-    model = GPT(cfg, stage_width=width, split_blocks=True)
+    model = GPT(cfg, stages=stages, stage_width=width, split_blocks=True)
     model.drop.p = 0.0  # the embedding dropout runs outside the split regions, on each lane's own stream
     return model
 
@@ -52,21 +52,30 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
+def _region_keys(plan) -> dict[str, tuple[int, int]]:
+    """Block FQN -> (stage, index of its region in the stage), as the split runtime numbers regions."""
+    return {name: (stage, i) for stage in range(plan.num_stages)
+            for i, (name, _) in enumerate(plan.split_targets(stage))}
+
+
 def _reference_step(ref, opt, x, y, plan, step: int) -> float:
-    """One process: each replica's rows through the blocks on that replica's region streams."""
-    width, rows = plan.stage_width, plan.micro_batch_rows(len(x))
+    """One process: each replica's rows, micro-batch after micro-batch, through the blocks on that replica's
+    region streams (a stream runs on through the step's micro-batches, as in the engine)."""
+    width, rows, keys = plan.stage_width, plan.micro_batch_rows(len(x)), _region_keys(plan)
     opt.zero_grad()
     total = 0.0
     for r in range(plan.num_replicas):
-        a, b = rows[r * width][0][0], rows[(r + 1) * width - 1][0][1]
         handles = []
         for i, block in enumerate(ref.blocks):
-            s = Stream([torch.default_generator], ("group", SEED, 0, r, i), lambda: step)
+            stage, index = keys[f"blocks.{i}"]
+            s = Stream([torch.default_generator], ("group", SEED, stage, r, index), lambda: step)
             handles += [block.register_forward_pre_hook(lambda m, args, s=s: s.enter(m.training)),
                         block.register_forward_hook(lambda m, args, out, s=s: s.exit())]
-        loss = F.cross_entropy(ref(x[a:b]).flatten(0, 1), y[a:b].flatten(), reduction="sum") / y.numel()
-        loss.backward()
-        total += loss.item()
+        for m in range(plan.num_micro_batch):
+            a, b = rows[r * width][m][0], rows[(r + 1) * width - 1][m][1]
+            loss = F.cross_entropy(ref(x[a:b]).flatten(0, 1), y[a:b].flatten(), reduction="sum") / y.numel()
+            loss.backward()
+            total += loss.item()
         for h in handles:
             h.remove()
     opt.step()
@@ -74,10 +83,12 @@ def _reference_step(ref, opt, x, y, plan, step: int) -> float:
 
 
 def _train(rank, world, spec):
-    ctx = wh.init(wh.Config(seed=SEED, sequence_parallel=spec["sp"]))
-    model = _model(spec.get("width"))
+    ctx = wh.init(wh.Config(seed=SEED, sequence_parallel=spec["sp"], num_micro_batch=spec.get("mb", 1),
+                            capture=spec.get("capture", "auto")))
+    model = _model(spec.get("width"), stages=spec.get("stages", 1))
     ref = copy.deepcopy(model)
-    engine = wh.parallelize(model, wh.token_cross_entropy(), _sgd, ctx=ctx)
+    sample = _batches()[0] if spec.get("capture") == "export" else None
+    engine = wh.parallelize(model, wh.token_cross_entropy(), _sgd, ctx=ctx, sample_batch=sample)
     ref_opt = _sgd(ref.parameters())
     comm_bytes.clear()
     losses, ref_losses = [], []
@@ -106,6 +117,17 @@ def test_sequence_parallel_matches_one_process_with_dropout(world, width):
     for r in results:
         assert r["regions"] == [SequenceParallelRegion.__name__] * 2 and r["dropouts"] == 4
         assert r["comm"]["reduce_scatter"] > 0 and r["losses"] == results[0]["losses"]
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_sequence_parallel_inside_pipeline_stages_matches_one_process(capture):
+    """Two pipeline stages of split 2 (one block each), 2 micro-batches, the tied embedding / head across the
+    stages; both graph captures (two split blocks in a row are two single calls)."""
+    spec = {"sp": True, "width": 2, "stages": 2, "mb": 2, "capture": capture}
+    results = run_ranks(_train, 4, spec, timeout=240)
+    plan = wh.Plan.from_json(results[0]["plan"])
+    assert plan.num_stages == 2 and plan.leaf_modules == ("blocks.0", "blocks.1")
+    assert all(r["regions"] == [SequenceParallelRegion.__name__] for r in results)
 
 
 def test_plain_tensor_parallel_block_matches_one_process_with_dropout():
