@@ -1,6 +1,6 @@
 """Activation bytes per rank of one GPT block: one process, tensor parallel, tensor + sequence parallel.
 
-    PYTHONPATH=src:. python benchmarks/sequence_parallel_memory.py --out benchmarks/results/sequence_parallel_memory.json
+    python benchmarks/sequence_parallel_memory.py --out benchmarks/results/sequence_parallel_memory.json
 
 On gloo ranks (world 2 and 4) each rank runs the forward of its shard of :class:`examples.gpt.model.Block`
 (the split rule of ``examples/gpt/tensor_parallel.py``) in training mode, dropout on, and counts the bytes

@@ -167,3 +167,18 @@ def _no_sp_rule(rank, world):
 
 def test_sequence_parallel_without_a_supporting_rule_is_refused():
     assert run_ranks(_no_sp_rule, 2, timeout=120) == [True, True]
+
+
+def _dropout_pieces(rank, world):
+    torch.manual_seed(11)  # the same generator state on every rank, as a region's group stream gives
+    seq = 8
+    shard = torch.ones(2, seq, 3)[:, rank * seq // world:(rank + 1) * seq // world]
+    return SeqDropout(0.3).train()(shard).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_shards_of_dropout_are_the_one_process_mask(world):
+    pieces = run_ranks(_dropout_pieces, world, timeout=120)
+    torch.manual_seed(11)
+    whole = F.dropout(torch.ones(2, 8, 3), 0.3, training=True)
+    assert torch.equal(torch.cat([torch.tensor(p) for p in pieces], dim=1), whole)

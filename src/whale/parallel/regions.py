@@ -40,7 +40,8 @@ class SplitRuntime:
             with shard_ties(self.module, plan) as ties:  # a weight tied inside the split stays one parameter
                 self._install(plan, stage, group)
             ties.check(self.module)
-            if plan.sequence_parallel and self.regions and not any(isinstance(r, SequenceParallelRegion) for r in self.regions):
+            if plan.sequence_parallel and self.regions and \
+                    not any(isinstance(r, SequenceParallelRegion) for r in self.regions):
                 raise SplitError(
                     f"sequence_parallel=True, but no split module of stage {stage} has a sequence-parallel shard "
                     f"(its rules ignored ctx['sequence_parallel']: {[type(r.sharded).__name__ for r in self.regions]})"
@@ -72,8 +73,8 @@ class SplitRuntime:
 
     def _region(self, target: nn.Module, plan: Plan, group, weights) -> SplitRegion:
         """``target``'s shard in a region (a :class:`SequenceParallelRegion` when the plan asks for sequence
-        parallelism and the shard's rule built one that supports it); records which full parameter each shard parameter comes from (the
-        sharding rules keep the module's parameter names)."""
+        parallelism and the shard's rule built one that supports it); records which full parameter each shard
+        parameter comes from (the sharding rules keep the module's parameter names)."""
         shard = shard_module(target, group, weights=weights, sequence_parallel=plan.sequence_parallel)
         region = (SequenceParallelRegion if is_sequence_parallel(shard) else SplitRegion)(shard, group)
         full = dict(target.named_parameters(remove_duplicate=False))

@@ -6,7 +6,7 @@ declares ``sequence_parallel = True`` (a rule built it with these layers, see be
 ranks of the split group (B = the group's rows), LayerNorm, dropout and the residual add act on that shard,
 :class:`SeqColumnParallelLinear` all-gathers the sequence before its matmul and :class:`SeqRowParallelLinear`
 reduce-scatters its partial sums along the sequence in place of the all-reduce. Activation memory per rank is
-then the one-process memory divided by n (the formula: :mod:`whale.memory.seqpar_formula`).
+then the one-process memory divided by n (the formula: :mod:`whale.memory.block_activations`).
 
 :class:`SequenceParallelRegion` bridges a region's rows (the data-parallel layout of the ranks around it, see
 :mod:`whale.parallel.bridge`) to sequence shards: in, the rows are all-gathered and each rank keeps its
