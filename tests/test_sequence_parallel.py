@@ -182,3 +182,13 @@ def test_sequence_shards_of_dropout_are_the_one_process_mask(world):
     torch.manual_seed(11)
     whole = F.dropout(torch.ones(2, 8, 3), 0.3, training=True)
     assert torch.equal(torch.cat([torch.tensor(p) for p in pieces], dim=1), whole)
+
+
+def test_split_gpt_block_refuses_attention_dropout_and_moe():
+    from examples.gpt.model import Block
+    from examples.gpt.tensor_parallel import shard_block
+
+    with pytest.raises(wh.SplitError, match="attention dropout 0.1 cannot match one process.*attn_dropout=0"):
+        shard_block(Block(GPTConfig(n_embd=16, n_head=4, dropout=0.1)), None)
+    with pytest.raises(wh.SplitError, match="shards a dense MLP, got MoE"):
+        shard_block(Block(GPTConfig(n_embd=16, n_head=4, moe_experts=2), moe_parallel=False), None)
