@@ -9,8 +9,9 @@ fp16, T4s (3 device types), 8 ranks, or a model other than the example GPT (an M
 Face ``LlamaForCausalLM``).
 
 Each run trains ``warmup + steps`` steps on emulated ranks; measured = the median over steps of the slowest
-rank's step time. Predicted = :func:`whale.planner.steptime.simulate.predict` of the run's plan with ``factors=None``: the
-emulation stretch from the declared speeds (:func:`whale.planner.steptime.simulate.speed_factors`), never a factor measured
+rank's step time. Predicted = :func:`whale.planner.steptime.simulate.predict` of the run's plan with
+``factors=None``: the emulation stretch from the declared speeds
+(:func:`whale.planner.steptime.simulate.speed_factors`), never a factor measured
 in the scored run. The calibration used is the machine's (unit types timed alone, cached) and each model's own
 engine fit (:func:`whale.frontend.simcost.model_costs`, its own 2-rank runs on no emulated cluster), no scored run.
 A run that fails to run or to predict stays in the table with its error and makes the goal not met.

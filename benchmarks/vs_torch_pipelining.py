@@ -24,8 +24,8 @@ step seconds / Whale's (goal >= 1.0), with its interquartile range and ``goal_me
 IQR straddles 1.0), by :func:`benchmarks._paired.summary`.
 Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
 schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
-(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` (its loss stays on the last
-stage and is read outside the timed region).
+(the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` +
+``zero_grad`` (its loss stays on the last stage and is read outside the timed region).
 
     python benchmarks/vs_torch_pipelining.py --out benchmarks/results/vs_torch_pipelining.json
 """

@@ -34,6 +34,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    attn_dropout: float | None = None  # attention-probability dropout (None: the same as dropout)
     moe_experts: int = 0  # 0: dense MLP; E > 0: each block's MLP is a wh.MoE of E experts
     moe_top_k: int = 2
     moe_d_ff: int | None = None  # each expert's hidden width (default 4 x n_embd, the dense MLP's)
@@ -54,7 +55,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.dropout = cfg.dropout
+        self.dropout = cfg.dropout if cfg.attn_dropout is None else cfg.attn_dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -135,6 +136,25 @@ def _stage_scope(stages: int, width: int | None = None, moe: bool = False):
     return wh.replicate(width if width is not None or stages == 1 else 1)
 
 
+def _replicated(on: bool, width: int | None):
+    """``wh.replicate(width)`` (data parallel; ``None``: over every device) when ``on``, else no scope."""
+    if not on:
+        return contextlib.nullcontext()
+    import whale as wh
+
+    return wh.replicate(width)
+
+
+def _block(cfg: GPTConfig, moe_aux: bool, split: bool, width: int | None) -> Block:
+    """One block, built under ``wh.split(width)`` when ``split``."""
+    if not split:
+        return Block(cfg, moe_aux=moe_aux)
+    import whale as wh
+
+    with wh.split(width):
+        return Block(cfg, moe_aux=moe_aux)
+
+
 class GPT(nn.Module):
     """GPT decoder: ``forward(idx [B, T] int64) -> logits [B, T, vocab_size]``.
 
@@ -146,23 +166,30 @@ class GPT(nn.Module):
             devices for one stage of an MoE model): expert parallelism runs over a stage's devices. MoE layers
             before the last stage get no auxiliary loss (the loss runs on the last stage; Whale refuses one
             there), so pipelined MoE models balance their earlier layers' load without it.
+        split_blocks: build every block under ``wh.split(stage_width)`` (tensor parallelism over its stage's devices,
+            the rest of the model under ``wh.replicate(stage_width)`` when not pipelined; with
+            ``Config(sequence_parallel=True)`` also sequence parallelism). The blocks' split rule lives in
+            :mod:`examples.gpt.tensor_parallel`, which must be imported before planning.
     """
 
     def __init__(self, cfg: GPTConfig, stages: int = 1, stage_layers: list[int] | None = None,
-                 stage_width: int | None = None):
+                 stage_width: int | None = None, split_blocks: bool = False):
         super().__init__()
         self.cfg = cfg
         self.stage_layers = stage_layer_counts(cfg.n_layer, stages, stage_layers)
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
+        outer = split_blocks and stages == 1  # replicate around split blocks: Whale's colocated hybrid
+        with _replicated(outer, stage_width):
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+            self.drop = nn.Dropout(cfg.dropout)
         blocks: list[Block] = []
         for s, count in enumerate(self.stage_layers):
-            with _stage_scope(stages, stage_width, bool(cfg.moe_experts)):
-                blocks.extend(Block(cfg, moe_aux=s == stages - 1) for _ in range(count))
+            with _stage_scope(stages, None if outer else stage_width, bool(cfg.moe_experts)):
+                blocks.extend(_block(cfg, s == stages - 1, split_blocks, stage_width) for _ in range(count))
         self.blocks = nn.ModuleList(blocks)
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        with _replicated(outer, stage_width):
+            self.ln_f = nn.LayerNorm(cfg.n_embd)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied
         self.apply(self._init_weights)
         for name, p in self.named_parameters():

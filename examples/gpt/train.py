@@ -19,6 +19,7 @@ run (model, optimizer, RNG, step and data position are restored; the LR is a fun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume  #
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
+from examples.gpt.tensor_parallel import add_split_args, split_blocks  # noqa: E402 - registers the block rule
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import schedule_bubble  # noqa: E402
 
@@ -95,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--global-batches", action="store_true", help="every rank gets the global batch (engine.step), not its rows")
     a("--cluster", default=None, help="cluster spec (YAML) passed to wh.Config(cluster=...)")
     _memory_args(a)
+    add_split_args(p)
     add_moe_args(p)
     add_prediction_args(a)
     a("--summary", default="runs/gpt_summary.json", help="JSON summary path (written by rank 0)")
@@ -148,10 +151,13 @@ def prepare_data(args: argparse.Namespace, rank: int) -> dict[str, Path]:
 def build(args: argparse.Namespace, ctx, sample_batch=None) -> tuple[GPTConfig, wh.Engine]:
     """The model (annotated when ``--stages > 1``) and its engine on this rank. ``sample_batch`` lets the
     planner profile the model (fake tensors) for memory-aware shares and speed-balanced stage cuts."""
-    cfg = model_config(args)
+    cfg, split = model_config(args), split_blocks(args)
+    if split:  # a split block refuses attention dropout (each rank holds other heads)
+        cfg = dataclasses.replace(cfg, attn_dropout=0.0)
     stage_layers = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
-    width = None if not args.moe_experts or args.stages == 1 else max(1, ctx.world_size // args.stages)
-    model = GPT(cfg, stages=args.stages * args.virtual_stages, stage_layers=stage_layers, stage_width=width)
+    width = None if not (args.moe_experts or split) or args.stages == 1 else max(1, ctx.world_size // args.stages)
+    model = GPT(cfg, stages=args.stages * args.virtual_stages, stage_layers=stage_layers, stage_width=width,
+                split_blocks=split)
     n_params = model.num_params()
     engine = wh.parallelize(
         model, loss_fn=moe_loss_fn(model, loss_fn) if args.moe_experts else loss_fn,
@@ -279,7 +285,8 @@ def run(argv: list[str] | None = None) -> None:
                             cluster=args.cluster, precision=args.precision, zero=args.zero, offload=args.offload,
                             activation_checkpoint=checkpoint_spec(args.activation_checkpoint),
                             track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid),
-                            timeout_s=args.timeout, virtual_stages=args.virtual_stages))
+                            timeout_s=args.timeout, virtual_stages=args.virtual_stages,
+                            sequence_parallel=args.sequence_parallel))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))

@@ -144,6 +144,12 @@ class Config:
             and zeroes the gradients, rank 0 warns, and the step's metrics say ``"skipped": True`` (an LR
             scheduler the user steps still advances, as with ``torch.amp.GradScaler``'s skipped steps). Under
             fp16 an overflowing gradient with a finite loss stays the loss scaler's (skipped, scale backed off).
+        sequence_parallel: sequence parallelism in split regions (Korthikanti et al. 2022): a split module whose
+            rule supports it (a transformer block, :mod:`whale.parallel.seqpar`) keeps LayerNorm, dropout and
+            the residual stream on ``[B, s/n, h]`` sequence shards, with all-gather before its column-parallel
+            and reduce-scatter after its row-parallel Linears in place of the all-reduce; activation memory
+            per rank is divided by the split degree n. The sequence length must be a multiple of n. Recorded in
+            the plan.
     """
 
     num_micro_batch: int = 1
@@ -168,6 +174,7 @@ class Config:
     auto: bool = False
     nonfinite: NonFiniteName = "raise"
     virtual_stages: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
@@ -226,6 +233,8 @@ class Config:
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"nonfinite={self.nonfinite!r} is unknown; choose 'raise' (stop every rank with an "
                               "error naming the first NaN/inf tensor) or 'skip' (skip the step's update everywhere)")
+        if self.sequence_parallel not in (True, False):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} is unknown; choose 'gloo', 'nccl' or None (auto)")
 

@@ -133,9 +133,12 @@ def _path_get(node: fx.Node, graph: fx.Graph, path) -> fx.Node:
     return node
 
 
-def _collapse(graph: fx.Graph, fqn: str, sig) -> None:
-    """Replace the nodes of module ``fqn`` by one ``call_module`` node from its recorded call signature."""
+def _collapse(graph: fx.Graph, fqn: str, sig, renamed: dict[str, fx.Node]) -> None:
+    """Replace the nodes of module ``fqn`` by one ``call_module`` node from its recorded call signature.
+    ``renamed``: the output nodes of leaves collapsed before (erased) -> what replaced them, so that a leaf fed
+    by the one before it (two split blocks in a row) finds its input; updated here."""
     by_name = {n.name: n for n in graph.nodes}
+    by_name.update(renamed)
     leaves = [by_name[a.name] if hasattr(a, "name") and a.name in by_name else getattr(a, "value", None)
               for a in sig.inputs]
     call_args, call_kwargs = pytree.tree_unflatten(leaves, sig.in_spec)
@@ -148,7 +151,8 @@ def _collapse(graph: fx.Graph, fqn: str, sig) -> None:
     for out, path in zip(outs, paths, strict=True):
         if out is not None:
             with graph.inserting_after(call):
-                out.replace_all_uses_with(_path_get(call, graph, path))
+                renamed[out.name] = _path_get(call, graph, path)
+                out.replace_all_uses_with(renamed[out.name])
     inside = [n for n in graph.nodes if any(p == fqn or p.startswith(fqn + ".")
                                             for p, _ in (n.meta.get("nn_module_stack") or {}).values())]
     kept = _shared_sizes(inside)
@@ -251,9 +255,10 @@ def export_graph(model: nn.Module, spec: tuple[CaptureInput, ...], leaves: tuple
     graph = fx.Graph()  # a copy owned by no module: nodes can call modules the exported one lacks
     flat_out = graph.graph_copy(ep.module().graph, {})
     graph.output(flat_out)
+    renamed: dict[str, fx.Node] = {}
     for entry in ep.module_call_graph:
         if entry.fqn in leaves:
-            _collapse(graph, entry.fqn, entry.signature)
+            _collapse(graph, entry.fqn, entry.signature, renamed)
     _untie_names(graph, model)
     _clean(graph, spec)
     out = next(n for n in graph.nodes if n.op == "output")

@@ -68,7 +68,12 @@ def split_leaves(model: nn.Module, scopes: dict[str, Scope]) -> tuple[str, ...]:
     """Modules kept as single calls when the model is traced: those under ``split`` (compressed), then MoE
     layers outside them (``is_moe``, :class:`whale.MoE`: their routing depends on values, which ``torch.fx``
     cannot follow)."""
-    split = compress_names({n for n, sc in scopes.items() if sc.kind == "split"}, list(all_tensors(model)))
+    all_names = list(all_tensors(model))
+    per_scope: dict[int, set[str]] = {}  # each split scope compressed alone: two split blocks are two leaves,
+    for n, sc in scopes.items():  # not their common parent (a ModuleList that is never called)
+        if sc.kind == "split":
+            per_scope.setdefault(sc.uid, set()).add(n)
+    split = tuple(dict.fromkeys(m for names in per_scope.values() for m in compress_names(names, all_names)))
     moe = [n for n, m in model.named_modules() if n and getattr(m, "is_moe", False)
            and not any(n == s or n.startswith(s + ".") for s in split)]
     return split + tuple(moe)

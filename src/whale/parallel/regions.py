@@ -7,6 +7,7 @@ from torch import nn
 
 import whale.parallel.moe  # noqa: F401 - registers the expert-parallel rule for whale.MoE
 from whale.parallel.bridge import SplitRegion
+from whale.parallel.seqpar import SequenceParallelRegion, is_sequence_parallel
 from whale.parallel.split import SplitError, shard_module
 from whale.parallel.split_state import shard_ties
 from whale.plan.plan import Plan
@@ -39,6 +40,13 @@ class SplitRuntime:
             with shard_ties(self.module, plan) as ties:  # a weight tied inside the split stays one parameter
                 self._install(plan, stage, group)
             ties.check(self.module)
+            if plan.sequence_parallel and self.regions and \
+                    not any(isinstance(r, SequenceParallelRegion) for r in self.regions):
+                raise SplitError(
+                    f"sequence_parallel=True, but no split module of stage {stage} has a sequence-parallel shard "
+                    f"(its rules ignored ctx['sequence_parallel']: {[type(r.sharded).__name__ for r in self.regions]})"
+                    "; split whole transformer blocks whose rule supports it (see whale.parallel.seqpar), or turn "
+                    "Config.sequence_parallel off")
         # data-parallel parameters of a split module (an MoE router) are reduced over lanes like replicate ones
         dp = {id(p) for r in self.regions for m in r.modules() if getattr(m, "data_parallel", False)
               for p in m.parameters()}
@@ -49,7 +57,7 @@ class SplitRuntime:
         for name, weights in split_modules(self.module, plan.split_targets(stage)):
             weights = list(weights) or None
             if name == "":
-                self.module = self._region(self.module, group, weights)
+                self.module = self._region(self.module, plan, group, weights)
                 self.regions = [self.module]
                 return
             try:
@@ -58,15 +66,17 @@ class SplitRuntime:
                 raise SplitError(
                     f"split holds {name!r}, which is not a whole module: put whole modules (e.g. an nn.Linear) "
                     "inside a split scope, not loose parameters") from None
-            region = self._region(target, group, weights)
+            region = self._region(target, plan, group, weights)
             parent, _, child = name.rpartition(".")
             setattr(self.module.get_submodule(parent) if parent else self.module, child, region)
             self.regions.append(region)
 
-    def _region(self, target: nn.Module, group, weights) -> SplitRegion:
-        """``target``'s shard in a region; records which full parameter each shard parameter comes from (the
-        sharding rules keep the module's parameter names)."""
-        region = SplitRegion(shard_module(target, group, weights=weights), group)
+    def _region(self, target: nn.Module, plan: Plan, group, weights) -> SplitRegion:
+        """``target``'s shard in a region (a :class:`SequenceParallelRegion` when the plan asks for sequence
+        parallelism and the shard's rule built one that supports it); records which full parameter each shard
+        parameter comes from (the sharding rules keep the module's parameter names)."""
+        shard = shard_module(target, group, weights=weights, sequence_parallel=plan.sequence_parallel)
+        region = (SequenceParallelRegion if is_sequence_parallel(shard) else SplitRegion)(shard, group)
         full = dict(target.named_parameters(remove_duplicate=False))
         for pname, p in region.sharded.named_parameters(remove_duplicate=False):
             if pname in full:

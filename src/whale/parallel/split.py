@@ -274,7 +274,8 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, *,
-                 weights: list[float] | None = None, gather_output: bool = False) -> nn.Module:
+                 weights: list[float] | None = None, gather_output: bool = False,
+                 sequence_parallel: bool = False) -> nn.Module:
     """This rank's shard of ``module`` for a split over ``group``; the original module is not modified.
 
     Args:
@@ -284,6 +285,8 @@ def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, 
         weights: relative load shares per rank, used when ``sizes`` is ``None`` (hardware-aware sizes).
         gather_output: whether the module's output must be full; ``False`` lets a trailing column-sharded
             Linear keep its output sharded along the last dim (the classification head + sharded loss).
+        sequence_parallel: passed to ``module``'s own rule as ``ctx["sequence_parallel"]``: a rule that can
+            builds a shard running on sequence shards (:mod:`whale.parallel.seqpar`); others ignore it.
 
     Raises:
         SplitError: a module with parameters and no rule (names the type and how to register one).
@@ -293,7 +296,8 @@ def shard_module(module: nn.Module, group=None, sizes: list[int] | None = None, 
         return module
     rule = split_rule_for(type(module))
     if rule is not None:
-        return _declared(rule(module, group, sizes, weights=weights, gather_output=gather_output), module)
+        ctx = {"sequence_parallel": True} if sequence_parallel else {}
+        return _declared(rule(module, group, sizes, weights=weights, gather_output=gather_output, **ctx), module)
     if next(module.parameters(recurse=False), None) is not None:
         name = f"{type(module).__module__}.{type(module).__qualname__}"
         raise SplitError(

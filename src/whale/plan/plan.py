@@ -222,6 +222,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         virtual_stages: model chunks per rank (``"Interleaved1F1B"``; 1 otherwise): the ``p * v`` TaskGraphs
             and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
             ``shared_params`` then name pipeline stages (rank positions).
+        sequence_parallel: split regions whose rule supports it run on sequence shards
+            (:mod:`whale.parallel.seqpar`).
     """
 
     world_size: int
@@ -250,6 +252,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     offload: OffloadName = "none"
     moe_layers: tuple[MoELayer, ...] = ()
     virtual_stages: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -364,5 +367,6 @@ _FIELDS: dict[type, dict[str, Check]] = {
            "capture": _choice(CAPTURES), "capture_inputs": _seq(_node(CaptureInput), "CaptureInput objects"),
            "zero": _int(0), "zero_weights": _seq(_NONNEG, "lists of numbers >= 0"),
            "precision": _choice(PRECISIONS), "activation_checkpoint": _STRS, "predicted_memory": _NONNEG,
-           "offload": _choice(OFFLOADS), "moe_layers": _seq(_node(MoELayer), "MoELayer objects")},
+           "offload": _choice(OFFLOADS), "moe_layers": _seq(_node(MoELayer), "MoELayer objects"),
+           "sequence_parallel": _BOOL},
 }

@@ -57,7 +57,8 @@ def _header(plan: Plan) -> str:
     dtype = "" if plan.precision == "fp32" else \
         f"; {plan.precision} autocast" + " + dynamic loss scaling" * (plan.precision == "fp16")
     host = "" if plan.offload == "none" else f"; offload {plan.offload} to host memory (optimizer step on the host)"
-    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}{dtype}{host}"
+    seq = "; sequence parallel in split regions" if plan.sequence_parallel else ""
+    return f"Whale plan: {plan.world_size} rank(s) = {_layout(plan)}; {steps}{dtype}{host}{seq}"
 
 
 def _wrapped(prefix: str, names, width: int = 110) -> list[str]:

@@ -150,6 +150,7 @@ def make_plan(
         precision=config.precision,
         offload=config.offload,
         virtual_stages=v,
+        sequence_parallel=config.sequence_parallel,
     )
 
 
