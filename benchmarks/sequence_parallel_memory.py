@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]  # run as a script from anywhere
 
 from _launch import launch  # noqa: E402
-from exit_teardown import provenance  # noqa: E402
+from _provenance import Run  # noqa: E402
 
 from examples.gpt.model import Block, GPTConfig  # noqa: E402
 from examples.gpt.tensor_parallel import shard_block  # noqa: E402
@@ -99,14 +98,13 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4", help="comma list of split degrees")
     p.add_argument("--out", default=None, help="JSON result path")
     args = p.parse_args()
-    load_before, start = os.getloadavg(), time.perf_counter()
+    run, start = Run(), time.perf_counter()
     cases = [report(w, launch(measure, w, SHAPE, timeout=600), SHAPE) for w in (int(v) for v in args.worlds.split(","))]
     result = {"block": "examples.gpt.model.Block (fp32, dropout 0.1 after each projection, attention dropout 0)",
-              "shape": SHAPE, "cases": cases, "wall_time_s": round(time.perf_counter() - start, 1),
-              "provenance": provenance(load_before)}
+              "shape": SHAPE, "cases": cases, "wall_time_s": round(time.perf_counter() - start, 1)}
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        run.write(args.out, result)
 
 
 if __name__ == "__main__":
