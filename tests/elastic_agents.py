@@ -9,6 +9,7 @@ that agent must survive; b is the one killed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from whale.cluster import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples/clusters/v100_p100.yaml"
@@ -113,7 +116,8 @@ def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int, data_dir:
         time.sleep(0.01)
     rc = a.wait(max(1.0, deadline - time.monotonic()))
     b.wait(10)
-    out = {"rc": rc, "log_a": a.text(), "log_b": b.text(), "killed": killed_at is not None}
+    out = {"rc": rc, "log_a": a.text(), "log_b": b.text(), "killed": killed_at is not None,
+           "order": ["b", "a"] if "Whale plan: 4 rank(s)" in b.text() else ["a", "b"]}  # rank 0's node first
     if killed_at is None:
         return out
     m = re.search(r"resumed after a restart from .* at step (\d+)", out["log_a"])
@@ -123,10 +127,16 @@ def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int, data_dir:
     return out
 
 
-def reference_run(d: Path, steps: int, ckpt_every: int, switch_at: int, data_dir: str, timeout: float = 600) -> dict:
-    """The same job without failure: world 4 (both nodes) to step ``switch_at`` (a checkpoint), then world 2 on
-    node a from that checkpoint to ``steps``. Returns the two exit codes and logs."""
-    launch = [sys.executable, "-m", "whale.cli", "launch", "--cluster", str(SPEC)]
+def reference_run(d: Path, steps: int, ckpt_every: int, switch_at: int, data_dir: str, order=("a", "b"),
+                  timeout: float = 600) -> dict:
+    """The same job without failure: world 4 (both nodes, ranks numbered in node ``order``, as the elastic run's
+    rendezvous numbered them) to step ``switch_at`` (a checkpoint), then world 2 on node a from that checkpoint to
+    ``steps``. Returns the two exit codes and logs."""
+    spec = ClusterSpec.from_yaml(SPEC)
+    nodes = {n.name: n for n in spec.nodes}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "spec.yaml").write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in order)).to_yaml())
+    launch = [sys.executable, "-m", "whale.cli", "launch", "--cluster", str(d / "spec.yaml")]
     first = Agent([*launch, "-n", "4", *job_args(d, steps, ckpt_every, data_dir), "--stop-after", str(switch_at)],
                   "ref4")
     rc4 = first.wait(timeout)

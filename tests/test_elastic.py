@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests import elastic_agents as ea
 from whale.cluster import ClusterError, ClusterSpec
@@ -79,7 +78,7 @@ def test_node_loss_replans_and_matches_the_reference(tmp_path):
     assert switch is not None and switch % every == 0 and 0 < switch <= run["last_before_kill"]
     summary = json.loads((tmp_path / "elastic/summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
-    ref = ea.reference_run(tmp_path / "ref", steps, every, switch, DATA)
+    ref = ea.reference_run(tmp_path / "ref", steps, every, switch, DATA, order=run["order"])
     assert ref["rc4"] == 0 and ref["rc2"] == 0, (ref["log4"] + ref["log2"])[-3000:]
     got, want = _losses(tmp_path / "elastic"), _losses(tmp_path / "ref")
     assert len(got) == len(want) == steps

@@ -25,7 +25,8 @@ from pathlib import Path
 from whale.cluster import ClusterError, ClusterSpec
 from whale.runtime import attribution, elastic, failures, lifetime
 
-__all__ = ["LaunchError", "check_cluster_size", "check_node_size", "torchrun_args", "torchrun_command", "worker_env", "launch"]
+__all__ = ["LaunchError", "check_cluster_size", "check_node_size", "torchrun_args", "torchrun_command", "worker_env",
+           "launch"]
 
 # Flags that configure the rendezvous; any of them switches the launch from --standalone to multi-node.
 _RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
@@ -86,8 +87,9 @@ def torchrun_args(
         script: the training script; it is not checked here (see :func:`launch`).
         script_args: arguments for the script, passed after it verbatim.
         nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf: torchrun's
-            rendezvous flags (``rdzv_conf``: e.g. ``"last_call_timeout=5,keep_alive_interval=1"``). When all are ``None`` the launch is single-machine (``--standalone``);
-            otherwise the given ones are passed through and ``--standalone`` is omitted.
+            rendezvous flags (``rdzv_conf``: e.g. ``"last_call_timeout=5,keep_alive_interval=1"``). When all are
+            ``None`` the launch is single-machine (``--standalone``); otherwise the given ones are passed through
+            and ``--standalone`` is omitted.
         max_restarts: torchrun's ``--max-restarts`` (allowed with either mode).
 
     Returns:
