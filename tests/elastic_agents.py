@@ -1,7 +1,8 @@
 """Real elastic runs of the GPT example for tests/test_elastic.py and benchmarks/elastic.py: two ``whale launch``
-agents (torchrun's elastic agent, c10d rendezvous on 127.0.0.1), each one node of examples/clusters/v100_p100.yaml
-(node a: 2x V100, node b: 2x P100), one of them killed mid-run; and the reference run that switches from world 4
-to world 2 at a given step without any failure (train to the step at world 4, checkpoint, resume on node a).
+agents (torchrun's elastic agent, c10d rendezvous on 127.0.0.1), each one node of
+examples/clusters/v100_p100_elastic.yaml (node a: 2x V100, node b: 2x P100), one of them killed mid-run; and the
+reference run that switches from world 4 to world 2 at a given step without any failure (train to the step at
+world 4, checkpoint, resume on node a).
 
 Agent a hosts the rendezvous store (``is_host=1``): torchrun's c10d backend keeps its TCPStore in one agent, so
 that agent must survive; b is the one killed.
@@ -23,7 +24,7 @@ from pathlib import Path
 from whale.cluster import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT / "examples/clusters/v100_p100.yaml"
+SPEC = ROOT / "examples/clusters/v100_p100_elastic.yaml"
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 GPT = ["--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
        "--micro-batches", "2", "--stages", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
@@ -91,7 +92,7 @@ def agent(node: str, port: int, d: Path, steps: int, ckpt_every: int, data_dir: 
     """Start the agent of spec node ``node`` (2 workers) in the elastic job at 127.0.0.1:``port``."""
     cmd = [sys.executable, "-m", "whale.cli", "launch", "-n", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "3",
-           "--rdzv-conf", f"{RDZV_CONF},is_host={int(host)}", "--cluster", str(SPEC), "--node", node,
+           "--rdzv-conf", f"{RDZV_CONF},is_host={int(host)}", "--cluster", str(SPEC), "--node-name", node,
            *job_args(d, steps, ckpt_every, data_dir)]
     return Agent(cmd, node)
 
@@ -121,7 +122,8 @@ def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int, data_dir:
     if killed_at is None:
         return out
     m = re.search(r"resumed after a restart from .* at step (\d+)", out["log_a"])
-    after = [t for t, _ in _steps([x for x in a.lines if x[0] > killed_at])]
+    resumed = [t for t, line in a.lines if t > killed_at and "resumed after a restart" in line]
+    after = [t for t, _ in _steps([x for x in a.lines if resumed and x[0] >= resumed[0]])]  # the new world's
     out.update(last_before_kill=last, resumed_from=int(m.group(1)) if m else None,
                recovery_s=(after[0] - killed_at) if after else None)
     return out
@@ -140,6 +142,6 @@ def reference_run(d: Path, steps: int, ckpt_every: int, switch_at: int, data_dir
     first = Agent([*launch, "-n", "4", *job_args(d, steps, ckpt_every, data_dir), "--stop-after", str(switch_at)],
                   "ref4")
     rc4 = first.wait(timeout)
-    second = Agent([*launch, "-n", "2", "--node", "a", *job_args(d, steps, ckpt_every, data_dir)], "ref2")
+    second = Agent([*launch, "-n", "2", "--node-name", "a", *job_args(d, steps, ckpt_every, data_dir)], "ref2")
     rc2 = second.wait(timeout)
     return {"rc4": rc4, "rc2": rc2, "log4": first.text(), "log2": second.text()}

@@ -93,7 +93,7 @@ def test_node_loss_replans_and_matches_the_reference(tmp_path):
 def test_node_too_small_for_the_model_is_one_clear_error(tmp_path):
     """Node b alone under a spec with 1/20000 of the memory: the job stops with one error line per rank naming
     the device, what it needs and what it has."""
-    cmd = [ea.sys.executable, "-m", "whale.cli", "launch", "-n", "2", "--node", "b", "--cluster",
+    cmd = [ea.sys.executable, "-m", "whale.cli", "launch", "-n", "2", "--node-name", "b", "--cluster",
            str(ea.ROOT / "tests/data/elastic_tight.yaml"), *ea.job_args(tmp_path, 3, 0, DATA), "--forbid", "all"]
     job = ea.Agent(cmd, "b")
     rc = job.wait(500)

@@ -57,7 +57,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous endpoint")
     g.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
     g.add_argument("--rdzv-conf", metavar="K=V,...", help="rendezvous options, e.g. last_call_timeout=5")
-    g.add_argument("--node", metavar="NAME", help="the cluster spec node this agent is (WHALE_NODE; elastic jobs)")
+    g.add_argument("--node-name", dest="node", metavar="NAME",
+                   help="the cluster spec node this agent is (WHALE_NODE; elastic jobs)")
     g.add_argument("--max-restarts", type=int, metavar="K", help="restarts of the worker group on failure")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched")

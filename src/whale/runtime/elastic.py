@@ -2,7 +2,7 @@
 
 Membership itself comes from torchrun's elastic agent with the c10d rendezvous (``whale launch --nnodes MIN:MAX
 --rdzv-backend c10d ...``): when a node's agent dies or joins, torchrun restarts the worker group with a new
-``WORLD_SIZE``. Each agent says which node of the spec it is by ``WHALE_NODE`` (``whale launch --node NAME``: a
+``WORLD_SIZE``. Each agent says which node of the spec it is by ``WHALE_NODE`` (``whale launch --node-name NAME``: a
 node's ``name`` in the spec, or its index). At start-up every rank's node name is gathered (one all-gather);
 torchrun numbers ranks agent by agent, so consecutive ranks with the same name form one present node, and the
 job runs on the spec cut down to those nodes (:func:`present_cluster`). The planner then plans for that cluster
@@ -27,7 +27,7 @@ from whale.cluster import ClusterError, ClusterSpec, NodeSpec
 __all__ = ["NODE_ENV", "node_name", "present_cluster", "gather_nodes", "resolve", "membership", "change_note"]
 
 NODE_ENV = "WHALE_NODE"
-"""Environment variable naming the spec node this agent's workers run on (``whale launch --node NAME``)."""
+"""Environment variable naming the spec node this agent's workers run on (``whale launch --node-name NAME``)."""
 
 
 def node_name(spec: ClusterSpec, index: int) -> str:
@@ -43,7 +43,7 @@ def _find(spec: ClusterSpec, name: str) -> int:
     if name.isdigit() and int(name) < len(spec.nodes) and spec.nodes[int(name)].name is None:
         return int(name)
     raise ClusterError(f"{NODE_ENV}={name!r} names no node of the cluster spec; its nodes are {', '.join(names)} "
-                       f"(start each agent with whale launch --node NAME, one of those)")
+                       f"(start each agent with whale launch --node-name NAME, one of those)")
 
 
 def present_cluster(spec: ClusterSpec, rank_nodes: Sequence[str]) -> ClusterSpec:
@@ -65,7 +65,7 @@ def present_cluster(spec: ClusterSpec, rank_nodes: Sequence[str]) -> ClusterSpec
     for r, name in enumerate(rank_nodes):
         if not name:
             raise ClusterError(f"rank {r} has no {NODE_ENV}: an elastic job needs every agent started with "
-                               f"whale launch --node NAME (or {NODE_ENV}=NAME)")
+                               f"whale launch --node-name NAME (or {NODE_ENV}=NAME)")
         if runs and runs[-1][0] == name:
             runs[-1] = (name, runs[-1][1] + 1)
         elif any(n == name for n, _ in runs):

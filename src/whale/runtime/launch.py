@@ -155,7 +155,7 @@ def worker_env(
         env["WHALE_CLUSTER"] = str(path.resolve())
     if node is not None:
         if not str(node):
-            raise LaunchError("--node must name a node of the cluster spec, got ''")
+            raise LaunchError("--node-name must name a node of the cluster spec, got ''")
         env["WHALE_NODE"] = str(node)
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -305,4 +305,4 @@ def check_node_size(cluster: str | os.PathLike, node: str, nproc: int) -> None:
         spec = ClusterSpec.from_yaml(cluster)
         elastic.present_cluster(spec, [str(node)] * nproc)
     except ClusterError as e:
-        raise LaunchError(f"--cluster {os.fspath(cluster)!r} --node {node}: {e}") from None
+        raise LaunchError(f"--cluster {os.fspath(cluster)!r} --node-name {node}: {e}") from None
