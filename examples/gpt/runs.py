@@ -4,11 +4,12 @@ is already finished says (issue 24). Collective where the library calls are (eve
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import whale as wh
 from examples.gpt.data import TokenBatches
-from whale.runtime import ckpt_runs
+from whale.runtime import ckpt_runs, elastic
 
 
 def add_resume_args(p) -> None:
@@ -60,3 +61,16 @@ def finished_summary(args, step: int, engine: wh.Engine) -> bool:
         print(f"the summary of the finished run is at {args.summary}" if done else
               f"no summary of the finished run at {args.summary}: writing it from the checkpoint", flush=True)
     return done
+
+
+def note_membership(ctx, state: dict) -> None:
+    """An elastic job (``WHALE_NODE`` set, a cluster spec): record the nodes present in ``state`` (saved with every
+    checkpoint) and, when they differ from the checkpoint's, rank 0 prints what changed, e.g. "world 4 -> 2: node b
+    (2x P100-16GB) left; re-planned" (the plan printed above is the new one)."""
+    if ctx.cluster is None or not os.environ.get(elastic.NODE_ENV):
+        return
+    now = elastic.membership(ctx.cluster)
+    note = elastic.change_note(state.get("membership"), now)
+    if note and ctx.rank == 0:
+        print(f"elastic: {note}", flush=True)
+    state["membership"] = now

@@ -46,7 +46,7 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.pipeline_flags import add_schedule_args, check_schedule_args  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
-from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume  # noqa: E402
+from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume, note_membership  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
@@ -292,6 +292,7 @@ def run(argv: list[str] | None = None) -> None:
     cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
+    note_membership(ctx, state)  # an elastic job: the nodes present, and what changed since the checkpoint
     if not args.global_batches:  # after a resume: its plan may carry the checkpoint's shares
         loads = engine.stage in (0, engine.plan.num_stages - 1)
         batches.rows = wh.local_rows(engine.plan, ctx.rank, args.batch_size) if loads else []

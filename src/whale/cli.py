@@ -56,6 +56,9 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--rdzv-backend", metavar="NAME", help="rendezvous backend, e.g. c10d")
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous endpoint")
     g.add_argument("--rdzv-id", metavar="ID", help="job id shared by all nodes")
+    g.add_argument("--rdzv-conf", metavar="K=V,...", help="rendezvous options, e.g. last_call_timeout=5")
+    g.add_argument("--node-name", dest="node", metavar="NAME",
+                   help="the cluster spec node this agent is (WHALE_NODE; elastic jobs)")
     g.add_argument("--max-restarts", type=int, metavar="K", help="restarts of the worker group on failure")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched")
@@ -67,9 +70,9 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
     from whale.runtime.launch import LaunchError, launch  # CLI start-up: other commands must not load whale.runtime
 
     rdzv = {k: getattr(ns, k) for k in ("nnodes", "node_rank", "master_addr", "master_port",
-                                         "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts")}
+                                         "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts")}
     try:
-        return launch(ns.nproc, ns.script, ns.script_args, cluster=ns.cluster, threads=ns.threads,
+        return launch(ns.nproc, ns.script, ns.script_args, cluster=ns.cluster, threads=ns.threads, node=ns.node,
                       dry_run=ns.dry_run, **rdzv)
     except LaunchError as e:
         ns.subparser.error(str(e))

@@ -13,6 +13,7 @@ YAML schema (ranks are numbered node by node; numbers may be written ``5e12``)::
     intra_node_latency: 5.0e-6    # optional, seconds per message inside a node, default 5 us (NVLink/PCIe)
     nodes:
       - devices: [V100-32GB, V100-32GB]             # catalog names
+        name: a                                     # optional: the node's name (elastic jobs: WHALE_NODE)
         intra_node_bandwidth: 3.0e11                # optional, bytes/s
         host_memory_bytes: 5.12e11                  # optional, bytes of CPU memory (whale.memory.host defaults)
       - devices: {P100-16GB: 1}                     # shorthand {name: count}
@@ -45,7 +46,7 @@ DEFAULT_INTER_NODE_LATENCY, DEFAULT_INTRA_NODE_LATENCY = 25e-6, 5e-6
 """Seconds per message between nodes (TCP over Ethernet) and inside a node (NVLink/PCIe), typical values."""
 
 _DEVICE_FIELDS = ("fp32_flops", "bf16_flops", "memory_bytes", "mem_bandwidth")
-_NODE_KEYS = ("devices", "intra_node_bandwidth", "host_memory_bytes")
+_NODE_KEYS = ("devices", "intra_node_bandwidth", "host_memory_bytes", "name")
 
 
 class ClusterError(ValueError):
@@ -171,11 +172,14 @@ class NodeSpec:
         intra_node_bandwidth: bytes/s between two devices of this node; ``None`` = NVLink bandwidth when every
             device has NVLink (the smallest), else PCIe (:data:`PCIE_BANDWIDTH`).
         host_memory_bytes: the node's CPU memory, bytes, shared by its ranks; ``None``: whale.memory.host's default.
+        name: the node's name (an elastic job's agents say which node they are by it: :mod:`whale.runtime.elastic`);
+            ``None``: its index in the spec.
     """
 
     devices: tuple[DeviceType, ...]
     intra_node_bandwidth: float | None = None
     host_memory_bytes: float | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -209,7 +213,11 @@ def _parse_node(entry: Any, i: int) -> NodeSpec:
     if not isinstance(raw, list) or not raw:
         raise ClusterError(f"{where}: 'devices' must be a non-empty list or {{name: count}} mapping")
     devices = tuple(_parse_device(d, f"{where}.devices[{j}]") for j, d in enumerate(raw))
-    return NodeSpec(devices, entry.get("intra_node_bandwidth"), entry.get("host_memory_bytes"))
+    name = entry.get("name")
+    if name is not None and (not isinstance(name, str | int) or isinstance(name, bool) or not str(name)):
+        raise ClusterError(f"{where}: name must be a non-empty string, got {name!r}")
+    return NodeSpec(devices, entry.get("intra_node_bandwidth"), entry.get("host_memory_bytes"),
+                    None if name is None else str(name))
 
 
 @dataclass(frozen=True)
@@ -299,7 +307,7 @@ class ClusterSpec:
         nodes = []
         for n in self.nodes:
             node: dict[str, Any] = {"devices": [d.name if CATALOG.get(d.name) == d else d.to_dict() for d in n.devices]}
-            for f in ("intra_node_bandwidth", "host_memory_bytes"):
+            for f in ("intra_node_bandwidth", "host_memory_bytes", "name"):
                 if getattr(n, f) is not None:
                     node[f] = getattr(n, f)
             nodes.append(node)

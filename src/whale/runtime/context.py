@@ -22,7 +22,7 @@ import torch.distributed as dist
 from whale.cluster import ClusterSpec
 from whale.config import Config
 from whale.frontend.planning import resolve_cluster
-from whale.runtime import failures, heartbeat, lifetime
+from whale.runtime import elastic, failures, heartbeat, lifetime
 
 DEFAULT_TIMEOUT_S = 600.0
 """The collective timeout when ``Config.timeout_s`` is ``None``: 10 minutes (gloo's own default is 30)."""
@@ -91,7 +91,8 @@ def init(config: Config | None = None) -> Context:
     else:
         device = torch.device("cpu")
     torch.manual_seed(config.seed)
-    ctx = Context(config, rank, world, device, resolve_cluster(config.cluster, world))
+    cluster = elastic.resolve(config.cluster, world)  # an elastic job: the spec's nodes present now (collective)
+    ctx = Context(config, rank, world, device, resolve_cluster(cluster, world))
     _CURRENT[:] = [ctx]
     return ctx
 

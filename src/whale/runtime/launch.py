@@ -23,12 +23,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from whale.cluster import ClusterError, ClusterSpec
-from whale.runtime import attribution, failures, lifetime
+from whale.runtime import attribution, elastic, failures, lifetime
 
-__all__ = ["LaunchError", "check_cluster_size", "torchrun_args", "torchrun_command", "worker_env", "launch"]
+__all__ = ["LaunchError", "check_cluster_size", "check_node_size", "torchrun_args", "torchrun_command", "worker_env",
+           "launch"]
 
 # Flags that configure the rendezvous; any of them switches the launch from --standalone to multi-node.
-_RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+_RDZV_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
+               "rdzv_conf")
 
 
 class LaunchError(ValueError):
@@ -75,6 +77,7 @@ def torchrun_args(
     rdzv_backend: str | None = None,
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
     max_restarts: int | None = None,
 ) -> list[str]:
     """Build the argument list for ``python -m torch.distributed.run`` (without the interpreter part).
@@ -83,9 +86,10 @@ def torchrun_args(
         nproc: worker processes on this node (``--nproc-per-node``), at least 1.
         script: the training script; it is not checked here (see :func:`launch`).
         script_args: arguments for the script, passed after it verbatim.
-        nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_id: torchrun's
-            rendezvous flags. When all are ``None`` the launch is single-machine (``--standalone``);
-            otherwise the given ones are passed through and ``--standalone`` is omitted.
+        nnodes, node_rank, master_addr, master_port, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf: torchrun's
+            rendezvous flags (``rdzv_conf``: e.g. ``"last_call_timeout=5,keep_alive_interval=1"``). When all are
+            ``None`` the launch is single-machine (``--standalone``); otherwise the given ones are passed through
+            and ``--standalone`` is omitted.
         max_restarts: torchrun's ``--max-restarts`` (allowed with either mode).
 
     Returns:
@@ -106,6 +110,7 @@ def torchrun_args(
         "rdzv_backend": rdzv_backend,
         "rdzv_endpoint": rdzv_endpoint,
         "rdzv_id": rdzv_id,
+        "rdzv_conf": rdzv_conf,
     }
     given = {k: v for k, v in rdzv.items() if v is not None}
     args = [] if given else ["--standalone"]
@@ -130,12 +135,14 @@ def worker_env(
     *,
     cluster: str | os.PathLike | None = None,
     threads: int | None = None,
+    node: str | None = None,
 ) -> dict[str, str]:
     """The environment for torchrun and its workers.
 
     Starts from ``base`` (default ``os.environ``), exports ``WHALE_CLUSTER`` as the absolute path of
     ``cluster`` (which must be an existing file), and sets ``OMP_NUM_THREADS`` to ``threads`` if given,
-    else to 1 unless ``base`` already sets it.
+    else to 1 unless ``base`` already sets it. ``node`` becomes ``WHALE_NODE`` (the spec node these workers run
+    on, :mod:`whale.runtime.elastic`).
 
     Raises:
         LaunchError: the cluster spec does not exist or is not a file, or ``threads < 1``.
@@ -146,6 +153,10 @@ def worker_env(
         if not path.is_file():
             raise LaunchError(f"--cluster: cluster spec {os.fspath(cluster)!r} does not exist or is not a file")
         env["WHALE_CLUSTER"] = str(path.resolve())
+    if node is not None:
+        if not str(node):
+            raise LaunchError("--node-name must name a node of the cluster spec, got ''")
+        env["WHALE_NODE"] = str(node)
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise LaunchError(f"--threads must be an integer >= 1, got {threads!r}")
@@ -203,6 +214,7 @@ def launch(
     *,
     cluster: str | os.PathLike | None = None,
     threads: int | None = None,
+    node: str | None = None,
     dry_run: bool = False,
     **rdzv,
 ) -> int:
@@ -210,7 +222,7 @@ def launch(
 
     ``rdzv`` takes the keyword arguments of :func:`torchrun_args` (``nnodes``, ``node_rank``, ``master_addr``,
     ``master_port``, ``rdzv_backend``, ``rdzv_endpoint``, ``rdzv_id``, ``max_restarts``); ``cluster`` and
-    ``threads`` shape the workers' environment (:func:`worker_env`). With ``dry_run`` the command and the
+    ``threads`` and ``node`` shape the workers' environment (:func:`worker_env`). With ``dry_run`` the command and the
     environment it adds are printed (as the equivalent ``python -m torch.distributed.run`` command line) and
     nothing runs. If a worker fails, its exit code is returned (128 + N for a worker killed by signal N).
 
@@ -222,8 +234,10 @@ def launch(
         raise TypeError(f"launch() got unexpected keyword arguments: {sorted(unknown)}")
     args = torchrun_args(nproc, script, script_args, **rdzv)
     _check_script(script)
-    env = worker_env(cluster=cluster, threads=threads)
-    if cluster is not None:
+    env = worker_env(cluster=cluster, threads=threads, node=node)
+    if cluster is not None and node is not None:
+        check_node_size(cluster, node, nproc)
+    elif cluster is not None:
         check_cluster_size(cluster, nproc, rdzv.get("nnodes"))
     if dry_run:
         cmd = torchrun_command(args)
@@ -278,3 +292,17 @@ def check_cluster_size(cluster: str | os.PathLike, nproc: int, nnodes: int | str
         want, fix = f"{nproc} x N devices ({low} <= N <= {high})", ""
     raise LaunchError(f"--cluster {os.fspath(cluster)!r} declares {devices} devices but {flags} starts {starts} "
                       f"processes; pass a spec of {want} devices{fix}")
+
+
+def check_node_size(cluster: str | os.PathLike, node: str, nproc: int) -> None:
+    """Check, before any worker starts, that spec node ``node`` exists and declares ``nproc`` devices (an elastic
+    agent runs one node's workers; :mod:`whale.runtime.elastic`).
+
+    Raises:
+        LaunchError: the spec does not load, names no such node, or the node declares another device count.
+    """
+    try:
+        spec = ClusterSpec.from_yaml(cluster)
+        elastic.present_cluster(spec, [str(node)] * nproc)
+    except ClusterError as e:
+        raise LaunchError(f"--cluster {os.fspath(cluster)!r} --node-name {node}: {e}") from None
