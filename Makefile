@@ -29,8 +29,12 @@ train: $(STAMP) data/shakespeare/.ready
 train-hf: $(STAMP) data/shakespeare/.ready
 	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/hf/train.py $(TRAIN_ARGS)
 
+# pytest-xdist workers (each with its own forkserver for the gloo ranks); worksteal balances the tail. More than
+# the cores oversubscribe the 4-rank tests; TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist worksteal) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

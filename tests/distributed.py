@@ -19,8 +19,14 @@ _CTX = mp.get_context("forkserver")
 # an HF test ~4.5 s of CPU (4 ranks on 2 cores: ~9 s of wall time per test)
 _HF = ["transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"] \
     if importlib.util.find_spec("transformers") is not None else []
+# Whale's runtime and parallel layers (``import whale`` loads them lazily; ~0.13 s of CPU) and what the export
+# capture's trace imports (aot_autograd, the partitioner and its networkx, sympy; ~0.3 s): every rank of every
+# test imported them again
+_LAZY = ["torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+         "whale.runtime.engine", "whale.runtime.checkpoint", "whale.runtime.ckpt_io", "whale.runtime.parallelize",
+         "whale.parallel", *(["whale.parallel.split_hf"] if _HF else [])]
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.testing", "whale",
-                             *_HF])
+                             *_HF, *_LAZY])
 
 
 def _worker(fn, rank, world, init_file, args, queue):

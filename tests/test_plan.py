@@ -152,7 +152,14 @@ def test_config_errors(field, value, match):
         wh.Config(**{field: value})
 
 
-_DROP = object()
+class _Drop:
+    """The "delete this field" edit; its repr is the test id, the same in every pytest-xdist worker."""
+
+    def __repr__(self) -> str:
+        return "<drop>"
+
+
+_DROP = _Drop()
 
 
 def _edit(path: str, value):
