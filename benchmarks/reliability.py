@@ -50,7 +50,7 @@ import _rel_failures  # noqa: E402 - the parts beside this file
 import _rel_fallback  # noqa: E402
 import _rel_io  # noqa: E402
 
-from benchmarks._provenance import Run  # noqa: E402
+from benchmarks._provenance import PartsFile, Run  # noqa: E402
 
 PARTS = ["reshard", "kill", "raise", "fallback", "failures", "io"]
 PY = sys.executable
@@ -194,24 +194,29 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=str(ROOT / "data/shakespeare"))
     p.add_argument("--skip", nargs="*", default=[], choices=PARTS)
+    p.add_argument("--merge", action="store_true", help="keep the parts an earlier run wrote to --out (each with "
+                   "its own provenance) unless rerun now")
     args = p.parse_args()
-    run, result = Run(), {}
+    run = Run()
+    out = PartsFile(args.out, run, merge=args.merge)
     with tempfile.TemporaryDirectory() as tmp:
-        for part, run in (("fallback", _rel_fallback.run), ("failures", _rel_failures.run), ("io", _rel_io.run)):
+        for part, fn in (("fallback", _rel_fallback.run), ("failures", _rel_failures.run), ("io", _rel_io.run)):
             if part not in args.skip:
                 os.makedirs(os.path.join(tmp, part))
-                result.update(run(Path(tmp) / part))
-                print({k: v for k, v in result.items() if not k.endswith("details")}, flush=True)
-        if "reshard" not in args.skip:
-            result.update(reshard(os.path.join(tmp, "reshard")))
-            print({k: v for k, v in result.items() if k.startswith("reshard")}, flush=True)
-        if "raise" not in args.skip:
-            result.update(raise_to_exit(3, timeout=10.0))
-            print({k: v for k, v in result.items() if k.startswith("raise")}, flush=True)
-        if "kill" not in args.skip:
-            result.update(kill_resume(Path(tmp), args))
-    result = run.write(args.out, result)  # with provenance: commit, command, dates, host load, wall time
-    print(json.dumps({k: v for k, v in result.items() if not k.endswith("details")}, indent=2))
+                since = time.time()
+                keys = fn(Path(tmp) / part)
+                out.add(part, keys, since)
+                print({k: v for k, v in keys.items() if not k.endswith("details")}, flush=True)
+        for part, fn in (("reshard", lambda: reshard(os.path.join(tmp, "reshard"))),
+                         ("raise", lambda: raise_to_exit(3, timeout=10.0)),
+                         ("kill", lambda: kill_resume(Path(tmp), args))):
+            if part not in args.skip:
+                since = time.time()
+                keys = fn()
+                out.add(part, keys, since)
+                print({k: v for k, v in keys.items() if not k.endswith("details")}, flush=True)
+    run.stop()
+    print(json.dumps({k: v for k, v in out.data.items() if not k.endswith("details")}, indent=2))
 
 
 if __name__ == "__main__":
