@@ -30,8 +30,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks._provenance import Run  # noqa: E402
 from benchmarks._published_rows import ROWS, SEQ, VOCAB, Row  # noqa: E402
-from benchmarks.exit_teardown import provenance  # noqa: E402
 from whale.cluster import CATALOG  # noqa: E402
 from whale.planner.gpt import GPTShape  # noqa: E402
 from whale.planner.memory import MemoryOptions  # noqa: E402
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--calibrate-on", default="1.7B", choices=[r.name for r in ROWS])
     ap.add_argument("--skip-auto", action="store_true", help="only the forced published plans")
     args = ap.parse_args()
-    load, start = os.getloadavg(), time.perf_counter()
+    run = Run()
     cal_row = next(r for r in ROWS if r.name == args.calibrate_on)
     eff = calibrate(cal_row)
     rows, errs = [], []
@@ -196,11 +196,9 @@ def main() -> None:
            **({"auto": autos, "auto_vs_published_predicted_min": min(a["auto_vs_published_predicted"] for a in autos),
                "auto_seconds_max": max(a["auto_seconds"] for a in autos),
                "estimator_vs_simulator_max_rel_gap": max(a["estimator_vs_simulator_rel_gap"] for a in autos)}
-              if autos else {}),
-           "provenance": {**provenance(load), "wall_seconds": round(time.perf_counter() - start, 2)}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+              if autos else {})}
+    out = run.write(args.out, out)  # with provenance: commit, command, dates, host load, wall time
+    run.stop()
     print(json.dumps({k: v for k, v in out.items() if k.startswith(("published_m", "published_1t_fits", "auto_v",
                                                                       "auto_s", "estimator"))}))
 
