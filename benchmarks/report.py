@@ -37,6 +37,21 @@ ROWS = [
      ""),
     *[("Whale vs torch pipelining, {schedule}, d = {dim}", "vs_torch_pipelining.json",
        f"results.{i}.throughput_ratio_vs_torch_pipelining", f"results.{i}.paired", ">= 1.0", 3, "") for i in range(8)],
+    ("Kill/resume runs (kill after a step, during a save, after the final checkpoint)", "reliability.json",
+     "kill_resume_runs", None, ">= 20", 0, ""),
+    ("Kill/resume runs that failed", "reliability.json", "kill_resume_failures", None, "0", 0, ""),
+    ("Kill/resume: max abs. loss diff vs an uninterrupted run", "reliability.json", "kill_resume_max_loss_diff",
+     None, "<= 1e-6", 1, ""),
+    ("Corrupt latest checkpoint: fallbacks that loaded the previous one (of 9 tried)", "reliability.json",
+     "corrupt_latest_fallbacks_ok", None, "all", 0, ""),
+    ("Injected failures whose first error was named (of 12)", "reliability.json", "first_error_named_ok", None,
+     "all", 0, ""),
+    ("Hung rank detected, seconds (collective timeout 5 s)", "reliability.json", "hang_detect_seconds", None,
+     "<= 10", 2, ""),
+    *[(f"Checkpoint {what} GB/s at {n} ranks", "reliability.json", f"{what}_gb_per_s.{n}", None, "", 3, "")
+      for what in ("save", "load") for n in ("2", "4")],
+    *[(f"Busiest rank's share of checkpoint bytes at {n} ranks", "reliability.json",
+       f"busiest_rank_bytes_share.{n}", None, f"<= {1.5 / int(n):.3f}", 3, "") for n in ("2", "4")],
     ("Elastic: node loss to first step on the new plan, median seconds (EMULATED)", "elastic.json",
      "node_loss_recovery_seconds.median", None, "< 30", 1, ""),
     ("Elastic: steps lost, max (checkpoint every 4)", "elastic.json", "steps_lost.max", None, "<= 4", 0, ""),
@@ -165,6 +180,11 @@ def _provenance_rows(cache: dict) -> list[str]:
             if "date" not in part:
                 keys = ", ".join(f"`{k}`" for k in part.get("keys", ()))
                 out.append(f"| `{f}` part `{name}` | {part.get('commit', 'unknown')}: {keys} | | | | |")
+                continue
+            if "load_1min" not in part:  # a part written before benchmarks/_provenance.py: load before/after
+                before_after = ", ".join(f"{v:.2f}" for v in part.get("load_1min_before_after", ()))
+                out.append(f"| `{f}` part `{name}` | `{part['commit'][:12]}` | {part['date']} | "
+                           f"before/after: {before_after or 'not recorded'} | {part.get('cores', '')} | |")
                 continue
             out.append(f"| `{f}` part `{name}` | `{part['commit'][:12]}` | {part['date']} | "
                        f"{cite(f, f'provenance.parts.{name}.load_1min.median', part['load_1min']['median'], 2)} | "
