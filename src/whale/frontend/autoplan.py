@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+import whale.frontend.hwplan as hwplan
 from whale.annotation import Scope, replicate
 from whale.cluster import ClusterSpec, emulation_cores, homogeneous_cpu
 from whale.config import Config, ConfigError
-from whale.frontend import hwplan
 from whale.frontend.profile import ModelProfile, profile_model
 from whale.frontend.simcost import covers, layer_timings
 from whale.frontend.taskgraphs import task_graph_scopes

@@ -17,10 +17,11 @@ import os
 import torch
 from torch import nn
 
+import whale.frontend.hwplan as hwplan
+import whale.frontend.memplan as memplan
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
 from whale.detect import detect_cluster
-from whale.frontend import hwplan, memplan
 from whale.frontend.autoplan import auto_layout
 from whale.frontend.export import capture_inputs
 from whale.frontend.graph import StageError

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from whale.frontend import hwplan, memplan
+import whale.frontend.hwplan as hwplan
+import whale.frontend.memplan as memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
 from whale.frontend.unit_keys import unit_keys
 from whale.plan.plan import Plan

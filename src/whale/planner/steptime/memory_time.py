@@ -10,21 +10,16 @@ replace the all-reduce); ZeRO-3 one more all-gather (``4E``) in backward; offloa
 down and parameters up over PCIe (``8fE`` bytes; parameters offloaded: ``8E`` more per step) and steps Adam
 on the host (``32 fE`` bytes of host memory traffic).
 
-The per-rank memory these options hold is :mod:`whale.planner.memory`'s; this module reads only the fields it
-names of a :class:`~whale.planner.memory.StageMemory` (``train_flops``, ``recompute_flops``,
-``trainable_elements``) and of a :class:`~whale.planner.memory.MemoryOptions` (``activation_checkpoint``,
-``zero``, ``offload``), so the memory model can import it without a circle.
+The per-rank memory these options hold is :mod:`whale.planner.memory`'s; both take their inputs
+(:class:`~whale.planner.memory_types.StageMemory`, :class:`~whale.planner.memory_types.MemoryOptions`) from
+:mod:`whale.planner.memory_types`, so neither imports the other.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from whale.plan.plan import Plan
+from whale.planner.memory_types import MemoryOptions, StageMemory
 from whale.planner.zero import zero_shard_weights
-
-if TYPE_CHECKING:  # the memory model imports this module
-    from whale.planner.memory import MemoryOptions, StageMemory
 
 PCIE_BANDWIDTH = 16e9  # bytes/s, PCIe 3.0 x16: device <-> host
 HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s, host DRAM, for the host optimizer step

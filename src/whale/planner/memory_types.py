@@ -1,0 +1,71 @@
+"""The memory model's inputs as plain data: what a pipeline stage needs (:class:`StageMemory`) and one combination
+of memory techniques (:class:`MemoryOptions`). Their own module so that both the memory model
+(:mod:`whale.planner.memory`) and the step-time model (:mod:`whale.planner.steptime.memory_time`) import them
+without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one pipeline stage needs for one whole (unsharded) copy, fp32, from the profile.
+
+    Attributes:
+        trainable_elements: parameter elements with gradients the stage holds (a weight tied across stages
+            counts in every stage holding it).
+        frozen_bytes: frozen parameters + buffers, bytes (never sharded).
+        activation_bytes: bytes per sample a micro-batch keeps alive until its backward.
+        checkpointed_bytes: the same with every repeated layer checkpointed.
+        backward_bytes: the most bytes per sample alive for the micro-batch whose backward runs: its
+            activations not yet freed plus the backward's temporaries (gradients of activations, the loss's
+            gradient of the logits), at the worst moment (>= ``activation_bytes`` when profiled).
+        checkpointed_backward_bytes: the same with every repeated layer checkpointed (the layer in backward
+            holds its recomputed activations).
+        tied_elements: of those, elements of weights tied across stages (an input embedding and LM head);
+            ZeRO slices their state over every stage holding them (:mod:`whale.parallel.zero`).
+        tie_stages: how many stages hold those weights (their state share is ``f / tie_stages``).
+        gather_elements: parameter elements ZeRO-3 holds gathered at once (:mod:`whale.parallel.zero3`): a
+            pipeline stage is gathered whole per micro-batch; one stage gathers each repeated layer in turn
+            and keeps the rest (embeddings, head) gathered from its forward to its backward.
+        recompute_flops: forward FLOPs per sample of the checkpointable layers (what recomputation repeats).
+        train_flops: forward + backward FLOPs per sample of the whole stage (to compare the options' compute
+            time on the lane shares each option's placement gives).
+        pipelined: the stage is one of several pipeline stages (ZeRO-3 gathers it whole; its tied weights stay
+            whole, their gradients and state sliced as under ZeRO-2).
+        p2p_bytes: bytes per sample of the pipeline's point-to-point buffers the stage holds: per boundary
+            with a neighbouring stage, three messages of the boundary's size (a receive posted ahead, the
+            message being consumed, a send not yet complete: :mod:`whale.parallel.p2p`; measured in
+            ``benchmarks/memory.py``).
+    """
+
+    trainable_elements: int
+    tied_elements: int = 0
+    tie_stages: int = 1
+    frozen_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    checkpointed_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    checkpointed_backward_bytes: float = 0.0
+    gather_elements: int = 0
+    recompute_flops: float = 0.0
+    train_flops: float = 0.0
+    pipelined: bool = False
+    p2p_bytes: float = 0.0
+
+
+@dataclass(frozen=True, order=True)
+class MemoryOptions:
+    """One combination of memory techniques (see the module docstring)."""
+
+    activation_checkpoint: bool = False
+    zero: int = 0
+    offload: str = "none"
+
+    def describe(self) -> str:
+        """Human-readable, e.g. ``"activation checkpointing + ZeRO-2 + offload optimizer"``."""
+        parts = (["activation checkpointing"] if self.activation_checkpoint else []) + \
+            ([f"ZeRO-{self.zero}"] if self.zero else []) + \
+            ([f"offload {self.offload}"] if self.offload != "none" else [])
+        return " + ".join(parts) or "no memory techniques"
