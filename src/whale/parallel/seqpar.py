@@ -84,6 +84,7 @@ class SeqColumnParallelLinear(ColumnParallelLinear):
         part = full.shape[0] // self.fused_parts
 
         def make() -> nn.Parameter:
+            """The shard parameter, built once per tied ``full``."""
             pieces = [full.detach().narrow(0, j * part + self.shard_start, self.shard_size)
                       for j in range(self.fused_parts)]
             return nn.Parameter(torch.cat(pieces, 0).clone(), requires_grad=full.requires_grad)

@@ -107,6 +107,7 @@ def interleaved_1f1b(num_stages: int, num_micro_batch: int, virtual_stages: int 
     total = m * v
 
     def at(k: int, backward: bool) -> tuple[int, int]:
+        """``(chunk, micro-batch)`` of a stage's ``k``-th forward (or backward) in the interleaved order."""
         group, within = divmod(k, p * v)
         chunk = within // p
         return (v - 1 - chunk if backward else chunk), group * p + within % p

@@ -177,6 +177,7 @@ class TransformerEstimator(DefaultEstimator):
         rec = "full" if options.activation_checkpoint else self.recompute
 
         def peak(rows: int, flight: float):
+            """The stage's peak memory breakdown (bytes) at ``rows`` per micro-batch with ``flight`` in flight."""
             return stage_peak(sh.seq, rows, sh.hidden, sh.heads, sh.vocab, elems, int(np.ceil(nl)), flight * nl,
                               flight, emb, head, t, self.seqpar, rec, True, self.precision, options.zero, d,
                               self.fp32_grads)
@@ -205,6 +206,10 @@ class TransformerEstimator(DefaultEstimator):
         return np.array([in_flight_layers(s, p, m, 1, self.virtual) for s in range(p)], dtype=float)
 
     def memory(self, c: Candidate) -> Estimate:
+        """Candidate ``c``'s predicted peak device bytes and host bytes (offloaded optimizer state) per pipeline
+        stage's worst device, beside its capacity, by the Korthikanti accounting of
+        :mod:`whale.planner.transformer_memory` times :data:`ALLOCATOR_OVERHEAD` (``step_seconds`` is ``inf``:
+        memory only)."""
         peak, cap, host, hcap = [], [], [], []
         flight = self._flight(c.stages, c.num_micro_batch, c.schedule)
         a = 0
