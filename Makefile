@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-hf test lint bench report clean
+.PHONY: setup train train-hf test test-durations lint bench report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,12 +29,17 @@ train: $(STAMP) data/shakespeare/.ready
 train-hf: $(STAMP) data/shakespeare/.ready
 	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/hf/train.py $(TRAIN_ARGS)
 
-# pytest-xdist workers (each with its own forkserver for the gloo ranks); worksteal balances the tail. More than
-# the cores oversubscribe the 4-rank tests; TEST_JOBS=0 runs in one process.
+# pytest-xdist workers (each with its own forkserver for the gloo ranks), handed one test at a time, longest first
+# (tests/conftest.py reads tests/durations.json). More than the cores oversubscribe the 4-rank tests;
+# TEST_JOBS=0 runs in one process. `make test-durations` re-measures the lengths (a full run).
 TEST_JOBS ?= 2
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist worksteal) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist load --maxschedchunk 1) $(PYTEST_ARGS)
+
+test-durations: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=0 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist load --maxschedchunk 1) > .durations.log || (tail -20 .durations.log; exit 1)
+	$(PY) tests/scripts/durations.py .durations.log tests/durations.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
