@@ -3,6 +3,7 @@ process-free: split is chosen where it is the fastest plan and not where data pa
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import examples.gpt.tensor_parallel  # noqa: F401  (registers the Block split rule)
@@ -11,6 +12,12 @@ from examples.gpt.model import GPT, GPTConfig
 from whale.cluster import ClusterSpec, NodeSpec, get_device_type
 from whale.frontend.autoplan import auto_layout
 from whale.loss import token_cross_entropy
+
+
+@pytest.fixture(autouse=True)
+def _datasheet_costs(monkeypatch, tmp_path):
+    """No cached calibration: the datasheet estimator ranks (the machine's cache would change the costs)."""
+    monkeypatch.setenv("WHALE_CALIBRATION", str(tmp_path / "calibration.json"))
 
 
 def _layout(batch: int, n_embd: int, per_node: int, nodes: int = 1, n_head: int = 4):
