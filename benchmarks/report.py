@@ -85,6 +85,14 @@ ROWS = [
      "sim_nominal_median_abs_rel_error", None, "(not held out)", 3, ""),
     ("Planning 512 GPUs, seconds", "planner.json", "plan_seconds_512_gpus", None, "< 60", 2, ""),
     ("Planning 1024 mixed GPUs, seconds", "planner.json", "plan_seconds_1024_mixed", None, "< 30", 2, ""),
+    ("Whale paper's 10T M6 MoE on 512 V100-32GB plans (fp16, expert parallel, offload); not without offload",
+     "paper_10t.json", "paper_10t_fits", None, "true", 0, ""),
+    ("10T M6: predicted step seconds (1024 sequences)", "paper_10t.json", "paper_10t.predicted_step_seconds", None,
+     "", 1, ""),
+    ("10T M6: peak bytes on the fullest V100-32GB", "paper_10t.json", "paper_10t.device_bytes", None,
+     "<= 32e9", 0, ""),
+    ("10T M6: host bytes per node (3e12 declared)", "paper_10t.json", "paper_10t.host_bytes_per_node", None,
+     "<= declared", 0, ""),
     ("Largest model, best vs pure data parallel (bisected)", "memory.json", "largest_params_ratio_vs_dp", None,
      ">= 10", 2, ""),
     ("Largest model, pure data parallel, parameters", "memory.json", "largest_dp_params", None, "", 2, "M"),
@@ -147,7 +155,8 @@ def _row(row: tuple, cache: dict) -> str:
         return f"| {label} | not measured | | {goal} | | `{file}` |"
     parent = lookup(data, key.rsplit(".", 1)[0]) if "." in key else {}
     label = label.format(**parent) if isinstance(parent, dict) and "{" in label else label
-    shown = cite(file, key, value, dec, suffix) if isinstance(value, int | float) else str(value)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    shown = cite(file, key, value, dec, suffix) if number else str(value)
     iqr, met = "", ""
     if paired_key:
         try:

@@ -90,7 +90,18 @@ def shard_block(block: Block, group, sizes=None, **ctx) -> Block:
     return clone
 
 
-wh.register_split_rule(Block, shard_block, dim_size=lambda block: block.attn.n_head)
+def block_split_refusal(block: Block, n: int) -> str | None:
+    """Why :func:`shard_block` cannot shard ``block`` over ``n`` devices (``None``: it can): checked at plan time,
+    so neither a plan nor ``Config(auto=True)``'s search holds a split the rule would refuse at run time."""
+    if not isinstance(block.mlp, MLP):
+        return "an MoE block is not split whole (build it without wh.split; the MoE layer is split on its own)"
+    if block.attn.dropout > 0:
+        return (f"attention dropout {block.attn.dropout} cannot match one process under split; set "
+                "GPTConfig.attn_dropout=0")
+    return None
+
+
+wh.register_split_rule(Block, shard_block, dim_size=lambda block: block.attn.n_head, check=block_split_refusal)
 
 
 def add_split_args(p) -> None:

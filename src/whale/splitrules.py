@@ -13,7 +13,8 @@ runtime could not shard, naming the module, its type, the dim and its size, and 
   checked one by one;
 - a registered rule: ``register_split_rule(MyModule, rule, dim_size=fn)``, with ``fn(module) -> int`` the size
   of the dim ``rule`` cuts, is checked against the device count; without ``dim_size`` the type is accepted
-  with no size check (the rule itself decides at run time);
+  with no size check (the rule itself decides at run time); ``check=fn``, with ``fn(module, n) -> str | None``
+  the reason the rule cannot shard this module over ``n`` devices (``None``: it can), refuses it at plan time;
 - parameter-free modules pass; containers without parameters of their own are walked; any other module that
   holds parameters of its own is refused (no rule);
 - a split scope holding loose parameters rather than whole modules is refused, except the whole model (all of
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from torch import nn
 
 __all__ = ["SplitError", "SplitRule", "DimSize", "ELEMENTWISE", "register_split_rule", "split_rule_for",
-           "check_split_plan", "check_split_module"]
+           "check_split_plan", "check_split_module", "searchable_split_dim"]
 
 
 class SplitError(ValueError):
@@ -60,10 +61,12 @@ sharded output, without communication."""
 
 _RULES: dict[type, SplitRule] = {}
 _DIM_SIZES: dict[type, DimSize] = {}  # registered dim_size functions of user rules
+_CHECKS: dict[type, Callable[[nn.Module, int], str | None]] = {}  # registered check functions of user rules
 _BUILTIN_RULES: set[type] = set()  # types whose rule is Whale's own (registered by whale.parallel.split)
 
 
-def register_split_rule(module_type: type, rule: SplitRule, dim_size: DimSize | None = None) -> None:
+def register_split_rule(module_type: type, rule: SplitRule, dim_size: DimSize | None = None,
+                        check: Callable[[nn.Module, int], str | None] | None = None) -> None:
     """Use ``rule`` for modules of ``module_type`` (and subclasses without a rule of their own) under split.
     Registering a type again replaces its rule (and its ``dim_size``).
 
@@ -72,7 +75,10 @@ def register_split_rule(module_type: type, rule: SplitRule, dim_size: DimSize | 
         rule: ``rule(module, group, sizes, **ctx) -> nn.Module``, this rank's shard (see :data:`SplitRule`).
         dim_size: ``dim_size(module) -> int``, the size of the dim ``rule`` cuts; :func:`whale.plan_model`
             then refuses a split over more devices than that, naming the module. ``None``: no plan-time size
-            check for this type.
+            check for this type. ``Config(auto=True)`` searches split degrees (those dividing it) only for
+            modules whose rule has one (:func:`searchable_split_dim`).
+        check: ``check(module, n) -> str | None``: why ``rule`` cannot shard this module over ``n`` devices
+            (``None``: it can); refused at plan time with that reason, and never chosen by the search.
 
     Raises:
         TypeError: ``module_type`` is not an ``nn.Module`` subclass, or ``rule`` / ``dim_size`` is not callable.
@@ -82,7 +88,13 @@ def register_split_rule(module_type: type, rule: SplitRule, dim_size: DimSize | 
         raise TypeError(f"rule must be callable, got {rule!r}")
     if dim_size is not None and not callable(dim_size):
         raise TypeError(f"dim_size must be None or callable (module -> int), got {dim_size!r}")
+    if check is not None and not callable(check):
+        raise TypeError(f"check must be None or callable (module, n -> str | None), got {check!r}")
     _RULES[module_type] = rule
+    if check is None:
+        _CHECKS.pop(module_type, None)
+    else:
+        _CHECKS[module_type] = check
     _BUILTIN_RULES.discard(module_type)
     if dim_size is None:
         _DIM_SIZES.pop(module_type, None)
@@ -246,6 +258,9 @@ def check_split_module(module: nn.Module, n: int, fqn: str = "") -> None:
                                      f"{_where(fqn)}; it must return the size of the dim the rule cuts, an int")
                 _bound(module, fqn, f"the dim its registered rule cuts (dim_size of {base.__name__})", size, n,
                        user=base.__name__)
+            why = _CHECKS[base](module, n) if base in _CHECKS else None
+            if why:
+                raise SplitError(f"split over {n} devices cannot shard {_where(fqn)} ({_name(cls)}): {why}")
             return
         if base in _BUILTIN_DIMS:
             _BUILTIN_DIMS[base](module, fqn, n)
@@ -262,6 +277,26 @@ def check_split_module(module: nn.Module, n: int, fqn: str = "") -> None:
             "whale.parallel.split docs), or build the module outside the split scope")
     for name, child in module.named_children():
         check_split_module(child, n, _join(fqn, name))
+
+
+def searchable_split_dim(module: nn.Module, degrees: tuple[int, ...]) -> int | None:
+    """The size of the dim a registered rule of the user's cuts in ``module`` (its ``dim_size``), when the rule
+    has one and passes :func:`check_split_module` at every degree of ``degrees`` that divides it; else ``None``
+    (no rule of the user's, no ``dim_size``, or a degree it refuses). ``Config(auto=True)`` searches split
+    degrees only for such modules, and only those dividing the size. Whale's own rules (a lone ``nn.Linear``
+    shards its output, which the loss must then take sharded) are not searched."""
+    cls = type(module)
+    base = next((b for b in cls.__mro__ if b in _RULES), None)
+    if base is None or base in _BUILTIN_RULES or base not in _DIM_SIZES:
+        return None
+    size = _DIM_SIZES[base](module)
+    try:
+        for n in degrees:
+            if n > 1 and isinstance(size, int) and size % n == 0:
+                check_split_module(module, n)
+    except SplitError:
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _bound(module: nn.Module, fqn: str, dim: str, size: int, n: int, note: str = "", user: str = "") -> None:

@@ -5,9 +5,10 @@ What the search may choose for a real model: the pipeline stage count and cut (o
 as :func:`whale.frontend.hwplan.hardware_cut` cuts them), the data-parallel degree (nested data parallelism:
 world = K x stages, each stage a ``replicate(1)`` TaskGraph), the micro-batch count, the schedule and the memory
 techniques. Annotations are constraints: annotated stages keep their count and cut (only K, micro-batches,
-schedule and memory options are searched). The search does not add ``split`` to unannotated modules (that
-needs a sharding rule per module), and models that carry ``split`` annotations are refused with a clear error
-for now. Devices are placed as the runtime places them (:func:`whale.planner.hardware.device_order`).
+schedule and memory options are searched). On an unannotated model the split degree is searched too, for the
+units whose type has a split rule with a ``dim_size`` (legal degrees only, inside a node, unpipelined plans:
+:mod:`whale.frontend.autosplit`); models that carry ``split`` annotations are refused with a clear error for
+now. Devices are placed as the runtime places them (:func:`whale.planner.hardware.device_order`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+import whale.frontend.autosplit as autosplit
 import whale.frontend.hwplan as hwplan
 from whale.annotation import Scope, replicate
 from whale.cluster import ClusterSpec, emulation_cores, homogeneous_cpu
@@ -81,8 +83,9 @@ def _unit_stage_counts(prof: ModelProfile, model: nn.Module, stage_of: dict[str,
     return tuple(stages.count(k) for k in range(max(stages) + 1))
 
 
-def _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config) -> Constraints:
-    """The annotations (and Config's memory settings) as search constraints.
+def _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config, free_split=False) -> Constraints:
+    """The annotations (and Config's memory settings) as search constraints (``free_split``: an unannotated
+    model with split units, whose split degree is searched).
 
     Raises:
         ConfigError: split annotations, or pipeline stages of different device counts (not searched yet).
@@ -90,7 +93,7 @@ def _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config) -
     floor = MemoryOptions(bool(config.activation_checkpoint), config.zero, config.offload)
     base = Constraints(split=1, floor=floor, forbid=tuple(config.forbid), stage_order="runtime")
     if not scopes:
-        return base
+        return dataclasses.replace(base, split=None) if free_split else base
     if any(s.kind == "split" for s in scopes.values()):
         raise ConfigError("Config(auto=True) does not yet search models with split annotations: plan them "
                           "without auto (the search itself keeps split scopes; the front end cannot yet express "
@@ -166,18 +169,23 @@ def auto_layout(model: nn.Module, world_size: int, config: Config, sample_batch,
     spec = cluster or homogeneous_cpu(world_size)
     batch = hwplan.sample_rows(sample_batch)
     tg_scopes, stage_of, scopes = task_graph_scopes(model)
-    cons = _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config)
+    split_units = {} if scopes else autosplit.split_units(model, prof, world_size)
+    desc = autosplit.with_split_kinds(desc, split_units) if split_units else desc
+    cons = _constraints(model, prof, tg_scopes, stage_of, scopes, world_size, config, bool(split_units))
     pool = pool_from_cluster(spec, "fp32" if config.precision == "fp32" else "bf16")
     est, how = estimator(model, prof, desc, pool, batch, spec, config, sample_batch, loss_fn)
     cands = enumerate_candidates(len(desc.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
                                  [d.memory_bytes for d in pool.types], all_cuts_below=64, rank_types=pool.rank_types)
-    result = search(cands, est)
+    result = search((c for c in cands if c.split == 1 or c.stages == 1), est)  # split: unpipelined only
     best = result.best.candidate
     opt = best.options
     new = config.replace(num_micro_batch=best.num_micro_batch, schedule=best.schedule, zero=opt.zero,
                          offload=opt.offload,
                          activation_checkpoint="all" if opt.activation_checkpoint else config.activation_checkpoint)
     notes = tuple(result.describe([t.name for t in pool.types])) + (how,)
+    if best.split > 1:  # the colocated replicate + split layout of the chosen degree
+        graphs, cut_of, split_scopes = autosplit.split_layout(model, prof, split_units, best.split)
+        return AutoLayout(new, graphs, cut_of, split_scopes, None, prof, result, notes)
     if cons.stages is not None or best.stages == 1:  # the annotations' TaskGraphs as they are
         return AutoLayout(new, tg_scopes, stage_of, scopes, None, prof, result, notes)
     cut_of, units = _stage_of(model, prof, best.stage_layers)

@@ -51,6 +51,9 @@ class LayerDesc:
         forward_flops: forward FLOPs per sample (what activation checkpointing recomputes); default flops / 3.
         split_dims: sizes a split of this layer cuts (heads, key/value heads, width, vocabulary); a split degree
             must divide each (``whale.planner.steptime.estimate.DefaultEstimator.split_ok``).
+        capacity_factor: of a ``"moe"`` layer, expert capacity over the even share (GShard / Switch: each expert
+            takes at most ``capacity_factor * tokens * top_k / experts`` tokens, padded to that); scales what
+            its all-to-all sends (its FLOPs and activations already include it, :func:`transformer`).
     """
 
     name: str
@@ -64,6 +67,7 @@ class LayerDesc:
     expert_params: int = 0
     forward_flops: float = -1.0
     split_dims: tuple[int, ...] = ()
+    capacity_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("flops", "params", "activation_bytes", "output_bytes", "expert_params"):
@@ -75,6 +79,8 @@ class LayerDesc:
         if self.experts < 1 or not 1 <= self.top_k <= self.experts:
             raise ModelDescError(f"layer {self.name!r}: need experts >= 1 and 1 <= top_k <= experts, got "
                                  f"experts={self.experts}, top_k={self.top_k}")
+        if not self.capacity_factor >= 1.0:
+            raise ModelDescError(f"layer {self.name!r}: capacity_factor={self.capacity_factor!r} must be >= 1")
         if self.expert_params > self.params:
             raise ModelDescError(f"layer {self.name!r}: expert_params={self.expert_params} exceeds params="
                                  f"{self.params}")
@@ -141,7 +147,7 @@ def from_profile(prof, name: str = "model") -> ModelDesc:
 
 def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | None = None, experts: int = 0,
                 top_k: int = 1, moe_every: int = 1, name: str = "transformer", act_bytes: int = 2,
-                heads: int = 0) -> ModelDesc:
+                heads: int = 0, capacity_factor: float = 1.0) -> ModelDesc:
     """Analytic description of a decoder transformer (GPT-style; MoE FFNs when ``experts > 0``), per sample
     of ``seq`` tokens.
 
@@ -153,7 +159,9 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
     bytes at 2 bytes, simplified here to 12·seq·d + 2·seq² elements; FFN 2·seq·d + 2·seq·d_ff elements.
 
     ``heads`` (0: unknown) joins the attention layers' ``split_dims`` beside ``d_model``; the FFN's are its
-    width, so a split degree must divide them.
+    width, so a split degree must divide them. ``capacity_factor`` (MoE, >= 1): each expert computes and keeps
+    activations for ``capacity_factor`` times its even share of the tokens (padded slots cost as real ones),
+    and the all-to-all carries as many slots.
 
     Raises:
         ModelDescError: a size < 1.
@@ -172,9 +180,10 @@ def transformer(n_layer: int, d_model: int, seq: int, vocab: int, d_ff: int | No
         ffn_p = 2 * d_model * ff
         ffn_act = float((2 * seq * d_model + 2 * seq * ff) * act_bytes)
         if experts and i % moe_every == moe_every - 1:
-            layers.append(LayerDesc(f"h.{i}.moe", float(3 * 2 * seq * ffn_p * top_k),
-                                    experts * ffn_p + d_model * experts, ffn_act * top_k, out_b, "moe", experts,
-                                    top_k, experts * ffn_p))
+            cf = capacity_factor * top_k
+            layers.append(LayerDesc(f"h.{i}.moe", float(3 * 2 * seq * ffn_p * cf),
+                                    experts * ffn_p + d_model * experts, ffn_act * cf, out_b, "moe", experts,
+                                    top_k, experts * ffn_p, capacity_factor=capacity_factor))
         else:
             layers.append(LayerDesc(f"h.{i}.mlp", float(3 * 2 * seq * ffn_p), ffn_p, ffn_act, out_b, "dense",
                                     split_dims=(ff,)))

@@ -154,7 +154,7 @@ class DefaultEstimator:
             "a_s": lambda x: x.activation_bytes * x.splittable,
             "a_o": lambda x: x.activation_bytes * (not x.splittable),
             "out": lambda x: x.output_bytes, "ar": lambda x: x.output_bytes * (x.kind in ("dense", "attention")),
-            "a2a": lambda x: x.output_bytes * x.top_k * (x.kind == "moe")}.items()}
+            "a2a": lambda x: x.output_bytes * x.top_k * x.capacity_factor * (x.kind == "moe")}.items()}
         self._stage = lru_cache(maxsize=None)(self._stage_costs)
         self._sim = lru_cache(maxsize=None)(self._simulate)
         self._coef = lru_cache(maxsize=None)(self._coeffs)
