@@ -181,6 +181,7 @@ def main() -> None:
         print(f"{r.name:>5}: published {r.tflops_per_gpu:5.1f} predicted {p['tflops_per_gpu']:6.1f} TFLOP/s "
               f"({100 * err:+.1f}%), peak {p['peak_bytes'] / 1e9:.1f} GB", flush=True)
     autos = [] if args.skip_auto else [auto_row(r, eff) for r in ROWS]
+    megatron = [] if args.skip_auto else [auto_row(r, eff, split_interleaved=True) for r in ROWS]
     for a in autos:
         print(f"{a['name']:>5}: auto {a['auto_plan']}: x{a['auto_vs_published_predicted']:.3f} of the published "
               f"plan's predicted throughput, {a['auto_seconds']:.1f} s", flush=True)
@@ -200,7 +201,14 @@ def main() -> None:
                                    "allocator_factor_in_prediction": True},
            **({"auto": autos, "auto_vs_published_predicted_min": min(a["auto_vs_published_predicted"] for a in autos),
                "auto_seconds_max": max(a["auto_seconds"] for a in autos),
-               "estimator_vs_simulator_max_rel_gap": max(a["estimator_vs_simulator_rel_gap"] for a in autos)}
+               "estimator_vs_simulator_max_rel_gap": max(a["estimator_vs_simulator_rel_gap"]
+                                                         for a in autos + megatron),
+               "auto_space": "what Whale's runtime runs: 1F1B, ZB-H1, interleaved 1F1B at split 1 (the runtime's "
+                             "interleaved plans hold no split regions), sequence parallelism on/off",
+               "auto_megatron_space": megatron,
+               "auto_megatron_space_vs_published_predicted_min": min(a["auto_vs_published_predicted"]
+                                                                     for a in megatron),
+               "published_in_megatron_space_all": all(a["published_in_space"] for a in megatron)}
               if autos else {})}
     out = run.write(args.out, out)  # with provenance: commit, command, dates, host load, wall time
     run.stop()
