@@ -23,6 +23,7 @@ simulation, ``estimator_vs_simulator_rel_gap``; skipped with ``--skip-auto``),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,10 +37,11 @@ from whale.cluster import CATALOG  # noqa: E402
 from whale.planner.gpt import GPTShape  # noqa: E402
 from whale.planner.memory import MemoryOptions  # noqa: E402
 from whale.planner.roofline import Roofline  # noqa: E402
-from whale.planner.search import Candidate, Constraints, enumerate_candidates, search  # noqa: E402
+from whale.planner.search import Candidate, Constraints  # noqa: E402
 from whale.planner.steptime.estimate import DevicePool  # noqa: E402
 from whale.planner.transformer_estimate import TransformerEstimator  # noqa: E402
 from whale.planner.transformer_memory import in_flight_layers, stage_peak  # noqa: E402
+from whale.planner.transformer_search import transformer_candidates, transformer_search  # noqa: E402
 
 A100 = CATALOG["A100-80GB"]
 GPUS_PER_NODE, NVLINK_EACH_WAY, IB_PER_GPU_EACH_WAY, LATENCY = 8, 300e9, 25e9, 1e-5
@@ -63,14 +65,15 @@ def published_plan(row: Row) -> Candidate:
     cut = [per] * row.pp
     cut[0] += 1
     cut[-1] += 1
-    return Candidate(row.dp, row.pp, row.tp, row.micro_batches, "1F1B", MemoryOptions(activation_checkpoint=True),
-                     tuple(cut), ((row.gpus // row.pp,),) * row.pp)
+    sched = "Interleaved1F1B" if row.virtual > 1 else "1F1B"
+    return Candidate(row.dp, row.pp, row.tp, row.micro_batches, sched, MemoryOptions(activation_checkpoint=True),
+                     tuple(cut), ((row.gpus // row.pp,),) * row.pp, row.virtual)
 
 
 def estimator(row: Row, efficiency: float) -> TransformerEstimator:
     """Whale's step-time and memory model for the row's model, cluster and runtime settings."""
     return TransformerEstimator(shape_of(row), pool_of(row), row.batch, (Roofline.of(A100, efficiency),),
-                                overlap_grad_sync=row.ddp == "torch", virtual=row.virtual)
+                                overlap_grad_sync=row.ddp == "torch")
 
 
 def predict(row: Row, efficiency: float) -> dict:
@@ -109,29 +112,31 @@ def sensitivity() -> dict:
     return out
 
 
-def auto_row(row: Row, efficiency: float) -> dict:
-    """The auto search on the row's cluster and model (the schedules the runtime has: 1F1B / GPipe, no
-    interleaving; checkpointing, ZeRO 0-2; legal splits inside a node): its best plan's predicted step over the
-    published plan's, the search seconds, and both plans' closed-form vs event-simulated pipeline seconds."""
-    est = TransformerEstimator(shape_of(row), pool_of(row), row.batch, (Roofline.of(A100, efficiency),))
+def auto_row(row: Row, efficiency: float, split_interleaved: bool = False) -> dict:
+    """The auto search on the row's cluster and model (:func:`whale.planner.transformer_search.transformer_search`:
+    schedules 1F1B, ZB-H1 and interleaved 1F1B with every legal v, sequence parallelism on/off, checkpointing,
+    ZeRO 0-2, legal splits inside a node; interleaving split stages only with ``split_interleaved``): its best
+    plan's predicted step over the published plan's (the same estimator, the row's DDP overlap), the search
+    seconds, whether the published plan lies in the searched space, and both plans' closed-form vs
+    event-simulated pipeline seconds."""
+    est = estimator(row, efficiency)
     start = time.perf_counter()
     cons = Constraints(stage_order="memory", forbid=("zero3", "offload", "offload_params"))
-    cands = enumerate_candidates(len(est.model.layers), est.pool.counts, row.batch, cons, est.cuts, est.split_ok,
-                                 [A100.memory_bytes])
-    res = search(cands, est)
+    res = transformer_search(est, cons, split_interleaved=split_interleaved)
     seconds = time.perf_counter() - start
-    best = res.best.candidate
-    published = estimator(row, efficiency)(published_plan(row)).step_seconds
-    gaps = [abs(est.pipeline_seconds(best) / est.simulated_pipeline_seconds(best) - 1)]
-    if row.virtual == 1:
-        pub = estimator(row, efficiency)
-        gaps.append(abs(pub.pipeline_seconds(published_plan(row)) / pub.simulated_pipeline_seconds(
-            published_plan(row)) - 1))
+    best, pub = res.best.candidate, published_plan(row)
+    published = est(pub).step_seconds
+    in_space = any(c == pub for c in transformer_candidates(est, dataclasses.replace(
+        cons, stages=row.pp, split=row.tp, data_parallel=row.dp, num_micro_batch=row.micro_batches),
+        split_interleaved=split_interleaved))
+    gaps = [abs(est.pipeline_seconds(c) / est.simulated_pipeline_seconds(c) - 1) for c in (best, pub)]
     return {"name": row.name, "auto_plan": best.describe(),
             "auto_step_seconds": round(res.best.estimate.step_seconds, 4),
             "published_step_seconds": round(published, 4),
             "auto_vs_published_predicted": round(published / res.best.estimate.step_seconds, 4),
             "auto_legal": bool(est.split_ok(best.split)), "auto_fits": bool(res.best.estimate.fits),
+            "published_in_space": bool(in_space), "auto_schedule": best.schedule, "auto_virtual": best.virtual,
+            "auto_sequence_parallel": best.sequence_parallel,
             "auto_seconds": round(seconds, 2), "candidates": res.stats["candidates"],
             "estimator_vs_simulator_rel_gap": round(max(gaps), 5)}
 
@@ -176,6 +181,7 @@ def main() -> None:
         print(f"{r.name:>5}: published {r.tflops_per_gpu:5.1f} predicted {p['tflops_per_gpu']:6.1f} TFLOP/s "
               f"({100 * err:+.1f}%), peak {p['peak_bytes'] / 1e9:.1f} GB", flush=True)
     autos = [] if args.skip_auto else [auto_row(r, eff) for r in ROWS]
+    megatron = [] if args.skip_auto else [auto_row(r, eff, split_interleaved=True) for r in ROWS]
     for a in autos:
         print(f"{a['name']:>5}: auto {a['auto_plan']}: x{a['auto_vs_published_predicted']:.3f} of the published "
               f"plan's predicted throughput, {a['auto_seconds']:.1f} s", flush=True)
@@ -195,7 +201,14 @@ def main() -> None:
                                    "allocator_factor_in_prediction": True},
            **({"auto": autos, "auto_vs_published_predicted_min": min(a["auto_vs_published_predicted"] for a in autos),
                "auto_seconds_max": max(a["auto_seconds"] for a in autos),
-               "estimator_vs_simulator_max_rel_gap": max(a["estimator_vs_simulator_rel_gap"] for a in autos)}
+               "estimator_vs_simulator_max_rel_gap": max(a["estimator_vs_simulator_rel_gap"]
+                                                         for a in autos + megatron),
+               "auto_space": "what Whale's runtime runs: 1F1B, ZB-H1, interleaved 1F1B at split 1 (the runtime's "
+                             "interleaved plans hold no split regions), sequence parallelism on/off",
+               "auto_megatron_space": megatron,
+               "auto_megatron_space_vs_published_predicted_min": min(a["auto_vs_published_predicted"]
+                                                                     for a in megatron),
+               "published_in_megatron_space_all": all(a["published_in_space"] for a in megatron)}
               if autos else {})}
     out = run.write(args.out, out)  # with provenance: commit, command, dates, host load, wall time
     run.stop()

@@ -17,7 +17,7 @@ import sys
 from whale.config import FORBIDDEN, Config
 from whale.frontend.planning import plan_model
 from whale.plan.plan import OFFLOADS
-from whale.plan.schedule import SCHEDULES, format_schedule, make_schedule
+from whale.plan.schedule import RUNNABLE_SCHEDULES, format_schedule, make_schedule
 from whale.planner.desc_cli import add_desc_args, run_desc
 
 
@@ -100,7 +100,7 @@ def _make_plan(ns: argparse.Namespace):
     made = factory(**factory_kwargs(factory, pairs, ns.model))
     model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
-    config = Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule, cluster=ns.cluster,
+    config = Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule or "1F1B", cluster=ns.cluster,
                        hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload,
                        zero=ns.zero, forbid=forbid, auto=ns.auto)
     return plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
@@ -116,7 +116,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
     p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--schedule", default="1F1B", choices=SCHEDULES)
+    p.add_argument("--schedule", choices=RUNNABLE_SCHEDULES,
+                   help="pipeline schedule (default 1F1B; with --model-desc: searched among 1F1B, ZB-H1, interleaved)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autocast dtype of the forward (fp16: with dynamic loss scaling)")
     p.add_argument("--offload", default="none", choices=OFFLOADS,

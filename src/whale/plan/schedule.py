@@ -278,44 +278,56 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float = 0.0) -> dict:
+def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float = 0.0,
+             chunk_shares: list[list[tuple[float, float]]] | None = None, weight: list[float] | None = None) -> dict:
     """Event simulation of one step: per-stage forward/backward times (seconds per micro-batch through the
     whole stage, all its chunks) and a fixed P2P latency ``comm`` per transfer. Returns ``{"step": t, "busy":
     [..], "idle_share": [..], "events": [(stage, lane, label, mb, start, end)]}``.
 
-    With equal stages and ``comm = 0`` the idle share of every stage is :func:`schedule_bubble`. One lane of
-    :func:`simulate_lanes` (which says how chunks and split backwards share the costs).
+    ``chunk_shares`` and ``weight`` (per stage: seconds of a W pass, ``bwd`` then being the B pass) as
+    :func:`simulate_lanes`. With equal stages and ``comm = 0`` the idle share of every stage is
+    :func:`schedule_bubble`. One lane of :func:`simulate_lanes`.
     """
     m = sum(1 for a in schedule[0] if a.kind == "F" and a.chunk == 0)
     out = simulate_lanes(schedule, [[[f] * m] for f in fwd], [[[b] * m] for b in bwd],
-                         [[comm] for _ in schedule])
+                         [[comm] for _ in schedule], None, chunk_shares,
+                         None if weight is None else [[[w] * m] for w in weight])
     step = max(c for lanes in out["end"] for c in lanes)
-    busy = [m * (fwd[s] + bwd[s]) for s in range(len(schedule))]
+    busy = [lanes[0] for lanes in out["busy"]]
     return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy], "events": out["events"]}
 
 
-def _action_cost(a: Action, chunks: int, split: bool, f: float, b: float) -> float:
-    """Seconds of one action from a stage's per-micro-batch forward ``f`` and backward ``b``: each of the
-    rank's chunks takes ``1/chunks`` of them; a split backward gives half to B and half to W (Qi et al. take
-    T_B = T_W)."""
+def _action_cost(a: Action, share: tuple[float, float], split: bool, f: float, b: float, w: float | None) -> float:
+    """Seconds of one action from a stage's per-micro-batch forward ``f``, backward ``b`` and W pass ``w``: the
+    chunk's ``share`` (forward, backward) of them; a split backward without ``w`` gives half to B and half to W
+    (Qi et al. take T_B = T_W), with ``w`` B takes ``b`` and W takes ``w``."""
     if a.kind == "F":
-        return f / chunks
-    return b / chunks / (2 if split else 1)
+        return f * share[0]
+    if a.kind == "W":
+        return (b / 2 if w is None else w) * share[1]
+    return (b / 2 if split and w is None else b) * share[1]
 
 
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
-                   comm: list[list[float]], peers: list[list[list[int]]] | None = None) -> dict:
+                   comm: list[list[float]], peers: list[list[list[int]]] | None = None,
+                   chunk_shares: list[list[tuple[float, float]]] | None = None,
+                   weight: list[list[list[float]]] | None = None) -> dict:
     """Event simulation of one step's schedule over every (stage, lane) rank.
 
     Args:
         schedule: one action list per stage (every lane of a stage runs it).
         fwd, bwd: ``[stage][lane][micro-batch]`` seconds of each forward / backward through the whole stage (an
-            interleaved rank's chunks each take ``1/v`` of them; a split backward's B and W half each).
+            interleaved rank's chunks each take ``1/v`` of them unless ``chunk_shares`` says otherwise; a split
+            backward's B and W half each unless ``weight`` is given).
         comm: ``[stage][lane]`` seconds of one transfer from that lane across the boundary to stage + 1
             (activations forward; the same for their gradients backward; ignored on the last stage; the last
             stage's value is the wrap-around transfer to stage 0 of an interleaved schedule).
         peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane;
             interleaved schedules need equal lanes and the default).
+        chunk_shares: ``[stage][chunk]`` (forward share, backward share) of the stage's seconds that each of its
+            chunks takes (each column summing to 1 over a stage's chunks; default 1/v each).
+        weight: ``[stage][lane][micro-batch]`` seconds of each W pass of a split-backward schedule; ``bwd`` is then
+            the B pass's seconds (default: B and W take half of ``bwd`` each).
 
     A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
     asynchronous), a backward likewise from the next virtual stage, a W when its rank is free. Returns ``{"end":
@@ -332,6 +344,9 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
                          f"{lanes} and {[len(b) for b in bwd]} lanes")
     if v > 1 and (peers is not None or len(set(lanes)) > 1):
         raise ValueError(f"an interleaved schedule needs the same lanes on every stage, got {lanes}")
+    if chunk_shares is not None and [len(c) for c in chunk_shares] != [v] * p:
+        raise ValueError(f"chunk_shares must be [stage][chunk] for {p} stages of {v} chunks")
+    shares = chunk_shares or [[(1.0 / v, 1.0 / v)] * v for _ in range(p)]
     peers = peers or [[[j] for j in range(n)] for n in lanes]
     feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
              for s in range(p)]
@@ -342,21 +357,22 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     for s, a in _simulate_order(schedule):
         vs = a.chunk * p + s
         for lane in range(lanes[s]):
+            w = weight[s][lane][a.mb] if weight is not None else None
+            cost = _action_cost(a, shares[s][a.chunk], split[s], fwd[s][lane][a.mb], bwd[s][lane][a.mb], w)
             if a.kind == "F":
                 dep = max((finish[(vs - 1, j, "F", a.mb)] + comm[(s - 1) % p][j] for j in feeds[s][lane]),
                           default=0.0) if vs else 0.0
-                cost = _action_cost(a, v, split[s], fwd[s][lane][a.mb], 0.0)
             elif a.kind == "B":
                 dep = max((finish[(vs + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
                     if vs < p * v - 1 else 0.0
-                cost = _action_cost(a, v, split[s], 0.0, bwd[s][lane][a.mb])
             else:
-                dep, cost = 0.0, _action_cost(a, v, True, 0.0, bwd[s][lane][a.mb])
+                dep = 0.0
             start = max(clock[s][lane], dep)
             clock[s][lane] = start + cost
             finish[(vs, lane, a.kind, a.mb)] = clock[s][lane]
             events.append((s, lane, a.kind + (f"c{a.chunk}" if a.chunk else ""), a.mb, start, clock[s][lane]))
-    busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) for lane in range(n)] for s, n in enumerate(lanes)]
+    busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) + (sum(weight[s][lane]) if weight is not None and split[s] else 0.0)
+             for lane in range(n)] for s, n in enumerate(lanes)]
     return {"end": clock, "busy": busy, "events": events}
 
 

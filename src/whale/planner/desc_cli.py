@@ -32,7 +32,9 @@ def add_desc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, help="force the data-parallel degree")
     g.add_argument("--pp", type=int, help="force the pipeline stage count")
     g.add_argument("--split", type=int, help="force the split (tensor-parallel) degree")
-    g.add_argument("--virtual-stages", type=int, default=1, help="interleaved 1F1B chunks per device (predicted)")
+    g.add_argument("--virtual-stages", type=int, help="force interleaved 1F1B with this many chunks per device "
+                   "(predicted; split stages interleaved as Megatron-LM does)")
+    g.add_argument("--sequence-parallel", choices=["on", "off"], help="force sequence parallelism (default: searched)")
     g.add_argument("--recompute", action="store_true", help="force full activation recomputation")
     g.add_argument("--cross-nodes", action="store_true", help="allow split groups across nodes")
     g.add_argument("--device", default="A100-80GB", help="catalog device type without --cluster")
@@ -81,25 +83,30 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
 
     Raises:
         ValueError: a bad description, degree or cluster; NoFeasiblePlanError: nothing fits."""
-    from whale.planner.legality import check_split
+    from whale.planner.legality import check_split, check_virtual
     from whale.planner.memory import MemoryOptions
     from whale.planner.roofline import Roofline
-    from whale.planner.search import Constraints, enumerate_candidates, search
+    from whale.planner.search import Constraints
     from whale.planner.transformer_estimate import TransformerEstimator
+    from whale.planner.transformer_search import transformer_search
 
     shape, pool = load_shape(ns.model_desc), _pool(ns)
     if ns.split:
         check_split(shape, ns.split, pool.devices_per_node, ns.cross_nodes)
     batch = ns.batch or pool.size
     roofs = tuple(Roofline.of(t, ns.gemm_efficiency) for t in pool.types)
-    est = TransformerEstimator(shape, pool, batch, roofs, virtual=ns.virtual_stages, cross_nodes=ns.cross_nodes)
+    est = TransformerEstimator(shape, pool, batch, roofs, cross_nodes=ns.cross_nodes)
     micro = ns.micro_batches if ns.micro_batches and ns.micro_batches > 1 else None
+    v, sched = ns.virtual_stages, getattr(ns, "schedule", None)  # whale plan's --schedule (None: searched)
+    if v is not None and v > 1:
+        sched = sched or "Interleaved1F1B"
+        if ns.pp and micro:
+            check_virtual(shape.layers, ns.pp, v, micro)
     forbid = ("zero3", "offload", "offload_params")
-    cons = Constraints(stages=ns.pp, split=ns.split, data_parallel=ns.dp, num_micro_batch=micro,
+    cons = Constraints(stages=ns.pp, split=ns.split, data_parallel=ns.dp, num_micro_batch=micro, schedule=sched,
                        floor=MemoryOptions(activation_checkpoint=ns.recompute), forbid=forbid, stage_order="memory")
-    cands = enumerate_candidates(len(est.model.layers), pool.counts, batch, cons, est.cuts, est.split_ok,
-                                 [t.memory_bytes for t in pool.types])
-    res = search(cands, est)
+    sp = None if ns.sequence_parallel is None else ns.sequence_parallel == "on"
+    res = transformer_search(est, cons, virtual=v, sequence_parallel=sp, split_interleaved=v is not None and v > 1)
     best, e = res.best.candidate, res.best.estimate
     out = {"model": shape.describe(), "parameters": shape.params, "devices": pool.size, "batch": batch,
            "plan": best.describe(), "step_seconds": e.step_seconds, "fits": bool(e.fits),

@@ -43,3 +43,53 @@ def check_split(shape: GPTShape, t: int, devices_per_node: int, cross_nodes: boo
     if not cross_nodes and (t > devices_per_node or devices_per_node % t):
         raise ValueError(f"split degree {t} spans nodes of {devices_per_node} devices; use a divisor of "
                          f"{devices_per_node} or allow split groups across nodes")
+
+
+def virtual_blockers(layers: int, stages: int, virtual: int, micro_batches: int) -> list[str]:
+    """Why ``virtual`` chunks per device of the interleaved 1F1B schedule do not fit a pipeline of ``stages``
+    stages over ``layers`` transformer blocks with ``micro_batches`` micro-batches (empty: legal). Megatron-LM's
+    rules (Narayanan et al. SC'21 §2.2; its ``--num-layers-per-virtual-pipeline-stage``): at least 2 stages and
+    2 chunks, the blocks divided evenly into ``stages * virtual`` chunks, the micro-batches a multiple of
+    ``stages`` (they go through the chunks in groups of p; :func:`whale.plan.schedule.interleaved_1f1b`)."""
+    out = []
+    if stages < 2 or virtual < 2:
+        out.append(f"needs >= 2 stages and >= 2 chunks (got {stages} and {virtual})")
+    elif layers % (stages * virtual):
+        out.append(f"layers={layers} is not a multiple of stages x virtual = {stages * virtual}")
+    if stages >= 1 and micro_batches % stages:
+        out.append(f"micro_batches={micro_batches} is not a multiple of stages={stages}")
+    return out
+
+
+def legal_virtual_stages(layers: int, stages: int, micro_batches: int) -> list[int]:
+    """Chunk counts v >= 2 that :func:`virtual_blockers` accepts, ascending (empty with fewer than 2 stages)."""
+    if stages < 2 or layers % stages:
+        return []
+    return [v for v in range(2, layers // stages + 1) if not virtual_blockers(layers, stages, v, micro_batches)]
+
+
+def check_virtual(layers: int, stages: int, virtual: int, micro_batches: int) -> None:
+    """Raise ValueError naming the rule a forced interleaved plan breaks and the legal chunk counts."""
+    bad = virtual_blockers(layers, stages, virtual, micro_batches)
+    if bad:
+        raise ValueError(f"interleaved 1F1B with virtual={virtual}: {'; '.join(bad)}; legal chunk counts here: "
+                         f"{legal_virtual_stages(layers, stages, micro_batches) or 'none'} (or use 1F1B)")
+
+
+def sequence_parallel_legal(shape: GPTShape, t: int) -> bool:
+    """Sequence parallelism (Korthikanti et al. 2022) shards the activations between split layers along the
+    sequence: it needs a split degree t >= 2 that divides the sequence (the runtime refuses an indivisible one)."""
+    return t >= 2 and shape.seq % t == 0
+
+
+def schedule_legal(schedule: str, stages: int, micro_batches: int, split: int, virtual: int, layers: int,
+                   split_interleaved: bool = False) -> bool:
+    """Whether the runtime runs ``schedule`` (with ``virtual`` chunks) on this pipeline: 1F1B and GPipe always
+    (virtual 1); ZB-H1 with >= 2 stages (virtual 1); interleaved 1F1B by :func:`virtual_blockers` and, since
+    Whale's interleaved plans hold no split regions (:mod:`whale.plan.validation`), only at split 1 unless
+    ``split_interleaved`` (Megatron-LM's runtime interleaves tensor-parallel stages; a what-if for Whale)."""
+    if schedule == "Interleaved1F1B":
+        return not virtual_blockers(layers, stages, virtual, micro_batches) and (split == 1 or split_interleaved)
+    if virtual != 1:
+        return False
+    return schedule in ("1F1B", "GPipe") or (schedule == "ZB-H1" and stages >= 2)

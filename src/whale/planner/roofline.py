@@ -17,7 +17,8 @@ dropout masks; s tokens, b samples, h hidden, a heads, f FFN width; Megatron-LM'
   bias-dropout-adds (7 bytes per element of s·b·h), fused scale-mask-softmax and dropout of the scores
   (4 + 5 bytes per element of a·s²·b/t), fused bias-GeLU (4 bytes per element of s·b·f/t).
 
-Backward: twice the forward's GEMM FLOPs (two products per forward product) and twice its element-wise bytes.
+Backward: twice the forward's GEMM FLOPs (two products per forward product) and twice its element-wise bytes;
+of it, the weight-gradient products (one per forward product with a weight) are ``PassSeconds.weight``.
 LM head: the [s·b, h] x [h, V/t] product and the fp32 cross-entropy (12 bytes per logit forward, 8 backward).
 """
 
@@ -65,10 +66,13 @@ class Roofline:
 
 @dataclass(frozen=True)
 class PassSeconds:
-    """Forward and backward seconds of one micro-batch through one unit on one device."""
+    """Forward and backward seconds of one micro-batch through one unit on one device; ``weight``: the part of
+    ``backward`` that computes weight gradients (the products with a weight operand: what a zero-bubble W pass
+    computes, the rest being the input-gradient chain)."""
 
     forward: float
     backward: float
+    weight: float = 0.0
 
 
 def attention_seconds(roof: Roofline, s: int, b: int, h: int, a: int, t: int = 1,
@@ -86,7 +90,8 @@ def attention_seconds(roof: Roofline, s: int, b: int, h: int, a: int, t: int = 1
     gemm = roof.gemm(sb, 3 * h / t, h) + roof.gemm(s, s, d, b * ht) + roof.gemm(s, d, s, b * ht) + \
         roof.gemm(sb, h, h / t)
     elem = roof.kernel(0.0, 4 * whole) + roof.kernel(0.0, 7 * whole) + roof.kernel(0.0, 9.0 * ht * s * s * b)
-    return PassSeconds(gemm + elem, 2 * gemm + 2 * elem)
+    weights = roof.gemm(sb, 3 * h / t, h) + roof.gemm(sb, h, h / t)  # QKV, projection (scores/context: none)
+    return PassSeconds(gemm + elem, 2 * gemm + 2 * elem, weights)
 
 
 def ffn_seconds(roof: Roofline, s: int, b: int, h: int, f: int, t: int = 1,
@@ -102,7 +107,7 @@ def ffn_seconds(roof: Roofline, s: int, b: int, h: int, f: int, t: int = 1,
     whole = sb * h / (t if sequence_parallel else 1)
     gemm = roof.gemm(sb, f / t, h) + roof.gemm(sb, h, f / t)
     elem = roof.kernel(0.0, 4 * whole) + roof.kernel(0.0, 7 * whole) + roof.kernel(0.0, 4 * sb * f / t)
-    return PassSeconds(gemm + elem, 2 * gemm + 2 * elem)
+    return PassSeconds(gemm + elem, 2 * gemm + 2 * elem, gemm)
 
 
 def head_seconds(roof: Roofline, s: int, b: int, h: int, vocab: int, t: int = 1,
@@ -112,7 +117,8 @@ def head_seconds(roof: Roofline, s: int, b: int, h: int, vocab: int, t: int = 1,
     sb, v = float(s) * b, vocab / (t if vocab_parallel else 1)
     proj = roof.gemm(sb, v, h)
     ln = roof.kernel(0.0, 4 * sb * h)
-    return PassSeconds(proj + ln + roof.kernel(0.0, 12 * sb * v), 2 * proj + 2 * ln + roof.kernel(0.0, 8 * sb * v))
+    return PassSeconds(proj + ln + roof.kernel(0.0, 12 * sb * v), 2 * proj + 2 * ln + roof.kernel(0.0, 8 * sb * v),
+                       proj)
 
 
 def embedding_seconds(roof: Roofline, s: int, b: int, h: int, vocab: int, t: int = 1) -> PassSeconds:
@@ -120,5 +126,5 @@ def embedding_seconds(roof: Roofline, s: int, b: int, h: int, vocab: int, t: int
     backward: the gradient scattered into the device's [V/t, h] table, which is zeroed once per step
     elsewhere)."""
     sb = float(s) * b
-    return PassSeconds(roof.kernel(0.0, 9 * sb * h), roof.kernel(0.0, 9 * sb * h))
+    return PassSeconds(roof.kernel(0.0, 9 * sb * h), roof.kernel(0.0, 9 * sb * h), roof.kernel(0.0, 9 * sb * h))
 

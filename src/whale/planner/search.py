@@ -44,7 +44,9 @@ from whale.units import format_bytes
 class Candidate:
     """One point of the space. Stage s runs layers ``stage_layers[s]`` (counts, in order) on
     ``d * t`` devices: ``stage_devices[s][k]`` of device type k (an index into the pool's types), in
-    ``d`` data-parallel lanes of ``t`` devices that split each layer."""
+    ``d`` data-parallel lanes of ``t`` devices that split each layer. ``virtual``: model chunks per device of the
+    ``"Interleaved1F1B"`` schedule (1 otherwise); ``sequence_parallel``: split layers keep their activations
+    sharded along the sequence (Korthikanti et al. 2022; only with ``split`` > 1)."""
 
     data_parallel: int
     stages: int
@@ -54,6 +56,8 @@ class Candidate:
     options: MemoryOptions
     stage_layers: tuple[int, ...]
     stage_devices: tuple[tuple[int, ...], ...]
+    virtual: int = 1
+    sequence_parallel: bool = False
 
     def describe(self, type_names: Sequence[str] = ()) -> str:
         """One line, e.g. ``"dp 4 x pp 2 x split 1, 8 micro-batches 1F1B, ZeRO-1, cut [3, 3]"``."""
@@ -61,8 +65,10 @@ class Candidate:
         if type_names and len(type_names) > 1:
             devs = " on " + " | ".join("+".join(f"{c}x{type_names[k]}" for k, c in enumerate(s) if c)
                                        for s in self.stage_devices)
-        return (f"dp {self.data_parallel} x pp {self.stages} x split {self.split}, {self.num_micro_batch} "
-                f"micro-batch(es) {self.schedule}, {self.options.describe()}, cut {list(self.stage_layers)}{devs}")
+        sched = self.schedule + (f" v {self.virtual}" if self.virtual > 1 else "")
+        sp = " sequence-parallel" if self.sequence_parallel else ""
+        return (f"dp {self.data_parallel} x pp {self.stages} x split {self.split}{sp}, {self.num_micro_batch} "
+                f"micro-batch(es) {sched}, {self.options.describe()}, cut {list(self.stage_layers)}{devs}")
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,8 @@ def enumerate_candidates(num_layers: int, type_counts: Sequence[int], global_bat
 
 
 def _structure(c: Candidate) -> tuple:
-    return (c.data_parallel, c.stages, c.split, c.num_micro_batch, c.schedule, c.stage_layers, c.stage_devices)
+    return (c.data_parallel, c.stages, c.split, c.num_micro_batch, c.schedule, c.stage_layers, c.stage_devices,
+            c.virtual, c.sequence_parallel)
 
 
 def _adds(a: MemoryOptions, b: MemoryOptions, monotone: tuple[str, ...]) -> bool:

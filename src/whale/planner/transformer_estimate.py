@@ -26,46 +26,59 @@ for a :class:`whale.planner.gpt.GPTShape` (layers ``embed``, ``h.i.attn``, ``h.i
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
+from whale.plan.schedule import make_schedule, simulate
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import split_legal
 from whale.planner.roofline import Roofline, attention_seconds, embedding_seconds, ffn_seconds, head_seconds
-from whale.planner.search import Candidate, Estimate
-from whale.planner.steptime.cost import p2p_time, ring_allgather_time, ring_allreduce_time
+from whale.planner.search import Bound, Candidate, Estimate
+from whale.planner.steptime.cost import p2p_time, ring_allgather_time, ring_allreduce_time, ring_reduce_scatter_time
 from whale.planner.steptime.estimate import DefaultEstimator, DevicePool
 from whale.planner.transformer_memory import ALLOCATOR_OVERHEAD, in_flight_layers, stage_peak
 
 
 class TransformerEstimator(DefaultEstimator):
-    """See the module docstring.
+    """See the module docstring. The candidate says the schedule, ``virtual`` and ``sequence_parallel``.
 
     Args:
         shape: the model; pool: the devices (``intra_bandwidth`` / ``inter_bandwidth``: bytes/s per device and
             direction); global_batch: samples per step; rooflines: one per device type of the pool.
         recompute: activations without checkpointing, ``"none"`` or ``"selective"``.
-        sequence_parallel: activations between split layers sharded along the sequence.
         precision / fp32_grads: model-state bytes (:func:`~whale.planner.transformer_memory.model_state_bytes`).
         grad_bytes: bytes per element of the data-parallel all-reduce (2: 16-bit gradients).
-        virtual: chunks per device of the interleaved schedule (1: plain 1F1B).
         cross_nodes: split groups may span nodes (costed on the inter-node link).
 
     Raises:
-        ValueError: rooflines do not match the pool's types, or virtual < 1.
+        ValueError: rooflines do not match the pool's types.
     """
 
     def __init__(self, shape: GPTShape, pool: DevicePool, global_batch: int, rooflines: tuple[Roofline, ...],
-                 recompute: str = "none", sequence_parallel: bool = False, precision: str = "mixed",
-                 fp32_grads: bool = False, grad_bytes: float = 2.0, overlap_grad_sync: bool = False,
-                 virtual: int = 1, cross_nodes: bool = False) -> None:
-        if len(rooflines) != len(pool.types) or virtual < 1:
-            raise ValueError(f"need one roofline per device type ({len(pool.types)}, got {len(rooflines)}) and "
-                             f"virtual >= 1 (got {virtual})")
-        self.shape, self.roofs, self.recompute, self.seqpar = shape, tuple(rooflines), recompute, sequence_parallel
+                 recompute: str = "none", precision: str = "mixed", fp32_grads: bool = False,
+                 grad_bytes: float = 2.0, overlap_grad_sync: bool = False, cross_nodes: bool = False,
+                 _sequence_parallel: bool = False) -> None:
+        if len(rooflines) != len(pool.types):
+            raise ValueError(f"need one roofline per device type ({len(pool.types)}, got {len(rooflines)})")
+        self.shape, self.roofs, self.recompute, self.seqpar = shape, tuple(rooflines), recompute, _sequence_parallel
         self.precision, self.fp32_grads, self.grad_bytes = precision, fp32_grads, grad_bytes
-        self.overlap, self.virtual = overlap_grad_sync, virtual
+        self.overlap = overlap_grad_sync
+        self._args = (shape, pool, global_batch, tuple(rooflines), recompute, precision, fp32_grads, grad_bytes,
+                      overlap_grad_sync, cross_nodes)
+        self._other: TransformerEstimator | None = None
         super().__init__(shape.model_desc(), pool, global_batch, cross_nodes)
         self.monotone_options = ("activation_checkpoint",)
+        self._passes_cache = lru_cache(maxsize=None)(self._passes_uncached)
+
+    def _view(self, c: Candidate) -> TransformerEstimator:
+        """The estimator of ``c``'s sequence-parallel setting: this one or its twin (caches are per setting)."""
+        if c.sequence_parallel == self.seqpar:
+            return self
+        if self._other is None:
+            self._other = TransformerEstimator(*self._args, _sequence_parallel=c.sequence_parallel)
+            self._other._other = self
+        return self._other
 
     def split_ok(self, t: int) -> bool:
         """``t`` divides heads, kv heads, hidden, FFN and vocab, and fits a node unless ``cross_nodes``."""
@@ -78,45 +91,98 @@ class TransformerEstimator(DefaultEstimator):
         return a == 0, sum(i % 2 == 1 for i in body), sum(i % 2 == 0 for i in body), b == n
 
     def _seconds(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float]:
+        return self._unit_passes(a, b, t, k, rows, ckpt)[:2]
+
+    def _unit_passes(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float, float]:
+        """``(forward, backward, weight-gradient part of backward)`` compute seconds of one micro-batch of
+        ``rows`` samples through units [a, b) on a device of type k (the recomputed forward in backward)."""
         sh, roof, r = self.shape, self.roofs[k], max(1, int(np.ceil(rows)))
         emb, n_att, n_ffn, head = self._units(a, b)
         att = attention_seconds(roof, sh.seq, r, sh.hidden, sh.heads, t, self.seqpar)
         ffn = ffn_seconds(roof, sh.seq, r, sh.hidden, sh.ffn, t, self.seqpar)
         fwd = n_att * att.forward + n_ffn * ffn.forward
         bwd = n_att * att.backward + n_ffn * ffn.backward + (fwd if ckpt else 0.0)
+        wgt = n_att * att.weight + n_ffn * ffn.weight
         for on, unit in ((emb, embedding_seconds(roof, sh.seq, r, sh.hidden, sh.vocab, t)),
                          (head, head_seconds(roof, sh.seq, r, sh.hidden, sh.vocab, t))):
             if on:
-                fwd, bwd = fwd + unit.forward, bwd + unit.backward
-        return fwd, bwd
+                fwd, bwd, wgt = fwd + unit.forward, bwd + unit.backward, wgt + unit.weight
+        return fwd, bwd, wgt
 
     def _link(self, group: int, kind: str) -> tuple[float, float]:
         inter = group > self.pool.devices_per_node if kind != "p2p" else True
         return (self.pool.inter_bandwidth if inter else self.pool.intra_bandwidth), self.pool.latency
 
-    def _pipe_uncached(self, layers: tuple, mix: tuple, t: int, d: int, m: int,
-                       ckpt: bool) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-        fwd, bwd, comm = [], [], 0.0
-        edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
+    def _split_comm(self, a: int, b: int, t: int, rows: float, ckpt: bool) -> tuple[float, float]:
+        """``(forward, backward)`` seconds of units [a, b)'s split collectives for one micro-batch of ``rows``:
+        per attention / FFN half one all-reduce of s·rows·h 16-bit bytes each way (one more in the recompute);
+        with sequence parallelism an all-gather and a reduce-scatter of the same bytes instead (the same ring
+        time); the embedding's forward all-reduce (a reduce-scatter), the head's backward all-reduce (with
+        sequence parallelism a forward all-gather and a backward reduce-scatter)."""
+        if t < 2:
+            return 0.0, 0.0
+        emb, n_att, n_ffn, head = self._units(a, b)
+        n = rows * 2.0 * self.shape.seq * self.shape.hidden
+        bw, lat = self._link(t, "allreduce")
+        ag, ar = ring_allgather_time(n, t, bw, lat), ring_allreduce_time(n, t, bw, lat)
+        one = ag + ring_reduce_scatter_time(n, t, bw, lat) if self.seqpar else ar
+        halves, again = n_att + n_ffn, 2 if ckpt else 1
+        if self.seqpar:
+            return one * halves + ag * (emb + head), one * halves * again + ag * (emb + head)
+        return ar * (halves + emb), ar * (halves * again + head)
+
+    def _chunk_ranges(self, layers: tuple[int, ...], v: int) -> list[list[tuple[int, int]]]:
+        """Unit ranges [a, b) of each rank's chunks: the stage cut when v = 1; with v chunks Megatron-LM's
+        layout (virtual stage j = c·p + r of l/(p·v) blocks, the embedding on j = 0, the head on the last)."""
+        p, n = len(layers), len(self.model.layers)
+        if v == 1:
+            edges = np.concatenate([[0], np.cumsum(layers)]).astype(int)
+            return [[(int(edges[s]), int(edges[s + 1]))] for s in range(p)]
+        k = 2 * self.shape.layers // (p * v)  # units (halves) per chunk
+        span = lambda j: (0 if j == 0 else 1 + k * j, n if j == p * v - 1 else 1 + k * (j + 1))  # noqa: E731
+        return [[span(c * p + r) for c in range(v)] for r in range(p)]
+
+    def _passes(self, c: Candidate) -> tuple:
+        """``(fwd, bwd, comm, wgt, shares)`` of ``c`` (:meth:`_passes_uncached`)."""
+        return self._passes_cache(c.stage_layers, c.stage_devices, c.split, c.data_parallel, c.num_micro_batch,
+                                  c.options.activation_checkpoint, c.virtual, c.schedule == "ZB-H1")
+
+    def _passes_uncached(self, layers: tuple, mix: tuple, t: int, d: int, m: int, ckpt: bool, v: int,
+                         zb: bool) -> tuple:
+        """Per stage (rank position): forward and backward seconds of one micro-batch through all its chunks,
+        the W pass's seconds (zero-bubble: the runtime's W walks the input-gradient chain again, so W = the
+        plain backward and B = the plain backward less its weight-gradient products; else 0) and each chunk's
+        (forward, backward) share; the seconds of one stage-to-stage transfer."""
+        fwd, bwd, wgt, shares, comm = [], [], [], [], 0.0
         msg = 2.0 * self.shape.seq * self.shape.hidden  # 16-bit bytes per sample of one layer's output
+        ranges = self._chunk_ranges(layers, v)
         for s in range(len(layers)):
-            a, b = int(edges[s]), int(edges[s + 1])
             _, lanes = self._lane_rows(mix[s], m, t)
-            f, bw_ = max((self._seconds(a, b, t, k, r, ckpt) for k, r in lanes), key=lambda x: (sum(x), x))
             r_most = max(x[1] for x in lanes)
-            if t > 1:
-                emb, n_att, n_ffn, head = self._units(a, b)
-                lbw, lat = self._link(t, "allreduce")
-                one = ring_allreduce_time(r_most * msg, t, lbw, lat)
-                f += one * (n_att + n_ffn + emb)
-                bw_ += one * ((n_att + n_ffn) * (2 if ckpt else 1) + head)
-            fwd.append(f)
-            bwd.append(bw_)
-            if s < len(layers) - 1:
-                lbw, lat = self._link(2 * d * t, "p2p")
-                gather = ring_allgather_time(r_most * msg, t, *self._link(t, "allreduce")) if t > 1 else 0.0
-                comm = max(comm, p2p_time(r_most * msg / t, lbw, lat) + gather)
-        return tuple(fwd), tuple(bwd), comm
+            per = []
+            for a, b in ranges[s]:
+                f, bw_, w = max((self._unit_passes(a, b, t, k, r, ckpt) for k, r in lanes),
+                                key=lambda x: (x[0] + x[1], x))
+                cf, cb = self._split_comm(a, b, t, r_most, ckpt)
+                per.append((f + cf, bw_ + cb - (w if zb else 0.0), bw_ + cb if zb else 0.0))
+            tot = [sum(x[i] for x in per) for i in range(3)]
+            fwd.append(tot[0])
+            bwd.append(tot[1])
+            wgt.append(tot[2])
+            shares.append(tuple((x[0] / tot[0] if tot[0] else 1 / v, (x[1] + x[2]) / (tot[1] + tot[2])
+                                 if tot[1] + tot[2] else 1 / v) for x in per))
+            if s < len(layers) - 1 or v > 1:
+                gather = 0.0 if self.seqpar or t < 2 else ring_allgather_time(r_most * msg, t,
+                                                                            *self._link(t, "allreduce"))
+                comm = max(comm, p2p_time(r_most * msg / t, *self._link(2 * d * t, "p2p")) + gather)
+        return tuple(fwd), tuple(bwd), comm, tuple(wgt), tuple(shares)
+
+    def _pipe_costs(self, c: Candidate) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        """Forward and backward (B + W under zero-bubble) seconds per micro-batch per stage, and the seconds of
+        one transfer (each device of a split group sends its 1/t, then the group all-gathers; with sequence
+        parallelism the shards stay sharded)."""
+        fwd, bwd, comm, wgt, _ = self._view(c)._passes(c)
+        return fwd, tuple(b + w for b, w in zip(bwd, wgt, strict=True)), comm
 
     def _post(self, c: Candidate) -> float:
         """Seconds after the pipeline: per stage the exposed data-parallel gradient all-reduce (less the last
@@ -137,27 +203,20 @@ class TransformerEstimator(DefaultEstimator):
         return worst
 
     def pipeline_seconds(self, c: Candidate) -> float:
-        """Seconds from the first forward to the last backward of ``c``, in closed form (the fast path):
-        m·max_s(F+B) + (Σ_s(F+B) − max)/v + 2·(p−1 + m·(v−1))·send (the module docstring). For v = 1 this is the
-        1F1B event simulation's result whenever the slowest stage is the last or all are equal (Megatron-LM's
-        cuts); :meth:`simulated_pipeline_seconds` gives the event path to compare."""
-        fwd, bwd, comm = self._pipe_costs(c)
-        per = [f + b for f, b in zip(fwd, bwd, strict=True)]
-        p, m, v = c.stages, c.num_micro_batch, self.virtual if c.stages > 1 else 1
-        if c.schedule == "GPipe":
-            return m * max(per) + sum(per) - max(per) + 2 * (p - 1) * comm
-        return m * max(per) + (sum(per) - max(per)) / v + 2 * (p - 1 + m * (v - 1)) * comm
+        """Seconds from the first forward to the last backward of ``c``, in closed form (the fast path; the module
+        docstring), within 2% of :meth:`simulated_pipeline_seconds` (the event path) on Megatron-LM's cuts."""
+        view = self._view(c)
+        fwd, bwd, comm, wgt, _ = view._passes(c)
+        return pipeline_closed_form(c.schedule, c.num_micro_batch, fwd, bwd, wgt, comm, c.virtual)
 
     def simulated_pipeline_seconds(self, c: Candidate) -> float:
-        """The same through :func:`whale.plan.schedule.simulate` (the event path; 1F1B and GPipe, v = 1).
-
-        Raises:
-            ValueError: an interleaved estimator (the event simulator has no interleaved schedule yet)."""
-        if self.virtual > 1 and c.stages > 1:
-            raise ValueError(f"the event simulator has no interleaved schedule (virtual={self.virtual}); "
-                             "compare plain 1F1B plans")
-        fwd, bwd, comm = self._pipe_costs(c)
-        return self._sim(c.schedule, c.stages, c.num_micro_batch, fwd, bwd, comm)
+        """The same through :func:`whale.plan.schedule.simulate` (the event path): the schedule of
+        :func:`whale.plan.schedule.make_schedule` (1F1B, GPipe, interleaved with ``c.virtual`` chunks, ZB-H1),
+        each chunk at its own share of its rank's seconds, the W passes at their own seconds."""
+        fwd, bwd, comm, wgt, shares = self._view(c)._passes(c)
+        sched = make_schedule(c.schedule, c.stages, c.num_micro_batch, c.virtual)
+        return simulate(sched, list(fwd), list(bwd), comm, [list(x) for x in shares] if c.virtual > 1 else None,
+                        list(wgt) if c.schedule == "ZB-H1" else None)["step"]
 
     def _lane_rows_uncached(self, mix: tuple[int, ...], m: int, t: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         """One device type: every lane gets ⌈(B/m) / lanes⌉ rows at most (what the largest-remainder shares of
@@ -198,20 +257,46 @@ class TransformerEstimator(DefaultEstimator):
         w = 4.0 if self.precision == "fp32" else 2.0
         return {2: g * elems, 3: w * elems}.get(options.zero, 0.0)
 
-    def _flights(self, p: int, m: int, sched: str) -> np.ndarray:
-        """Micro-batches' worth of activations each stage holds (interleaving: :func:`in_flight_layers`
-        over the stage's layers; GPipe: m)."""
+    def _flights(self, p: int, m: int, sched: str, v: int = 1) -> np.ndarray:
+        """Micro-batches' worth of activations each stage holds: 1F1B and interleaving :func:`in_flight_layers`
+        over the stage's layers; GPipe m; ZB-H1 min(p, m) on every stage (the runtime's B keeps each
+        micro-batch's autograd graph, with the activations the W pass needs, until its W; the schedule's H1 limit
+        bounds F-done-W-not micro-batches by p; under checkpointing that is the layer inputs, the W pass
+        recomputing the rest)."""
         if sched == "GPipe":
             return np.full(p, float(m))
-        return np.array([in_flight_layers(s, p, m, 1, self.virtual) for s in range(p)], dtype=float)
+        if sched == "ZB-H1":
+            return np.full(p, float(min(p, m)))
+        return np.array([in_flight_layers(s, p, m, 1, v) for s in range(p)], dtype=float)
+
+    def bound(self, c: Candidate) -> Bound:
+        """Exact memory overflow and a step-time lower bound of ``c`` (the default estimator's, on ``c``'s
+        sequence-parallel setting)."""
+        view = self._view(c)
+        return DefaultEstimator.bound(view, c) if view is self else view.bound(c)
+
+    def overflow(self, c: Candidate) -> float:
+        """Bytes by which the fullest device of ``c`` overflows (<= 0: fits); the numbers of :meth:`memory`."""
+        view = self._view(c)
+        if view is not self:
+            return view.overflow(c)
+        fixed, per_flight, once, host = self._coef_cache(c.stage_layers, c.split, c.data_parallel, c.options)
+        flight = self._flight(c.stages, c.num_micro_batch, c.schedule, c.virtual)
+        rows, present, cap, hcap = self._rows_cache(c.stage_devices, c.num_micro_batch, c.split)
+        dev = fixed[:, None] + np.ceil(rows) * (flight * per_flight + once)[:, None] - cap[None, :]
+        over = np.where(present, np.maximum(dev, host[:, None] - hcap[None, :]), -np.inf)
+        return float(over.max())
 
     def memory(self, c: Candidate) -> Estimate:
         """Candidate ``c``'s predicted peak device bytes and host bytes (offloaded optimizer state) per pipeline
         stage's worst device, beside its capacity, by the Korthikanti accounting of
         :mod:`whale.planner.transformer_memory` times :data:`ALLOCATOR_OVERHEAD` (``step_seconds`` is ``inf``:
         memory only)."""
+        view = self._view(c)
+        if view is not self:
+            return view.memory(c)
         peak, cap, host, hcap = [], [], [], []
-        flight = self._flight(c.stages, c.num_micro_batch, c.schedule)
+        flight = self._flight(c.stages, c.num_micro_batch, c.schedule, c.virtual)
         a = 0
         for s, n_layers in enumerate(c.stage_layers):
             fixed, per_flight, once, h = self._coef(a, a + n_layers, c.split, c.data_parallel, c.options)
@@ -226,6 +311,8 @@ class TransformerEstimator(DefaultEstimator):
 
     def __call__(self, c: Candidate) -> Estimate:
         """Predicted step seconds and memory of ``c``; ``detail`` has the pipeline and post-step seconds."""
+        if self._view(c) is not self:
+            return self._view(c)(c)
         mem = self.memory(c)
         fwd, bwd, comm = self._pipe_costs(c)
         pipe = self.pipeline_seconds(c)
@@ -234,3 +321,25 @@ class TransformerEstimator(DefaultEstimator):
                   "stage_backward_seconds": bwd, "p2p_seconds": comm}
         return Estimate(pipe + post, mem.groups, mem.peak_bytes, mem.capacity, mem.host_bytes, mem.host_capacity,
                         detail)
+
+
+def pipeline_closed_form(schedule: str, m: int, fwd, bwd, wgt, comm: float, v: int = 1) -> float:
+    """Seconds of a pipeline of ``m`` micro-batches whose stage s takes ``fwd[s]`` / ``bwd[s]`` (B) / ``wgt[s]``
+    (W, zero-bubble; else 0) seconds per micro-batch and ``comm`` seconds per transfer, in closed form:
+
+    - GPipe, 1F1B: m·max(F+B) + Σ(F+B) − max + 2(p−1)·send (Narayanan et al. 2021);
+    - Interleaved1F1B, v chunks: m·max(F+B) + (Σ(F+B) − max)/v + 2(p−1)·send·(...)  (SC'21 §2.2.2);
+    - ZB-H1: m·max(F+B+W) + ... (Qi et al. ICLR'24 §3).
+    """
+    p = len(fwd)
+    per = [f + b + w for f, b, w in zip(fwd, bwd, wgt, strict=True)]
+    top = max(per)
+    if schedule == "Interleaved1F1B":
+        return m * top + (sum(per) - top) / v + 2 * (p - 1) * comm
+    if schedule == "ZB-H1":
+        i = per.index(top)
+        rest = [s for s in range(p) if s != i]
+        slack = m * (top - max((per[s] for s in rest), default=top))
+        extra = sum(max(fwd[s], bwd[s]) - fwd[s] for s in rest)
+        return m * top + sum(fwd[s] for s in rest) + max(0.0, extra - slack) + 2 * (p - 1) * comm
+    return m * top + sum(per) - top + 2 * (p - 1) * comm

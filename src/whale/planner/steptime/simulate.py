@@ -353,8 +353,8 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
     busy = [[sum(f) + sum(b) for f, b in zip(fs, bs, strict=True)] for fs, bs in zip(fwd, bwd, strict=True)]
     gathers = _zero3_gathers(plan, stages, fwd, bwd, cluster, calib)
     comm = _transfers(plan, stages, rows, cluster, calib)
-    sim = simulate_lanes(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch), fwd, bwd, comm,
-                         _peers(plan))
+    sim = simulate_lanes(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages),
+                         fwd, bwd, comm, _peers(plan))
     last_b: dict[tuple[int, int], tuple[float, float]] = {}
     for s, lane, kind, _, a, e in sim["events"]:
         if kind == "B":
