@@ -267,13 +267,15 @@ def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
     return order
 
 
-def max_in_flight(actions: list[Action]) -> int:
+def max_in_flight(actions: list[Action], chunk_sizes: list[float] | None = None) -> float:
     """Largest number of (chunk, micro-batch) forwards whose activations are held (activation memory): from the
-    F until the B, or until the W when the actions split the backward."""
+    F until the B, or until the W when the actions split the backward. With ``chunk_sizes`` (bytes one
+    micro-batch of each chunk keeps) the largest sum of held bytes instead (chunks of different sizes)."""
     free = "W" if any(a.kind == "W" for a in actions) else "B"
     live, peak = 0, 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1 if a.kind == free else 0
+        size = 1 if chunk_sizes is None else chunk_sizes[a.chunk]
+        live += size if a.kind == "F" else -size if a.kind == free else 0
         peak = max(peak, live)
     return peak
 
@@ -294,17 +296,20 @@ def simulate(schedule: Schedule, fwd: list[float], bwd: list[float], comm: float
     return {"step": step, "busy": busy, "idle_share": [1 - b / step for b in busy], "events": out["events"]}
 
 
-def _action_cost(a: Action, chunks: int, split: bool, f: float, b: float) -> float:
+def _action_cost(a: Action, chunks: int, split: bool, f: float, b: float,
+                 shares: tuple[float, float] | None = None) -> float:
     """Seconds of one action from a stage's per-micro-batch forward ``f`` and backward ``b``: each of the
-    rank's chunks takes ``1/chunks`` of them; a split backward gives half to B and half to W (Qi et al. take
-    T_B = T_W)."""
+    rank's chunks takes ``1/chunks`` of them, or its ``shares = (forward share, backward share)``; a split
+    backward gives half to B and half to W (Qi et al. take T_B = T_W)."""
+    fs, bs = shares if shares is not None else (1 / chunks, 1 / chunks)
     if a.kind == "F":
-        return f / chunks
-    return b / chunks / (2 if split else 1)
+        return f * fs
+    return b * bs / (2 if split else 1)
 
 
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
-                   comm: list[list[float]], peers: list[list[list[int]]] | None = None) -> dict:
+                   comm: list[list[float]], peers: list[list[list[int]]] | None = None,
+                   chunk_shares: list[list[tuple[float, float]]] | None = None) -> dict:
     """Event simulation of one step's schedule over every (stage, lane) rank.
 
     Args:
@@ -316,6 +321,8 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
             stage's value is the wrap-around transfer to stage 0 of an interleaved schedule).
         peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane;
             interleaved schedules need equal lanes and the default).
+        chunk_shares: ``[stage][chunk]`` ``(forward share, backward share)`` of the stage's times each chunk
+            takes (chunks of different sizes, :mod:`whale.planner.virtual`); default ``1/v`` each.
 
     A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
     asynchronous), a backward likewise from the next virtual stage, a W when its rank is free. Returns ``{"end":
@@ -336,6 +343,7 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
              for s in range(p)]
     split = [any(a.kind == "W" for a in acts) for acts in schedule]
+    share = (lambda s, a: None) if chunk_shares is None else (lambda s, a: chunk_shares[s][a.chunk])  # noqa: E731
     finish: dict[tuple[int, int, str, int], float] = {}  # (virtual stage, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []
@@ -345,13 +353,13 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
             if a.kind == "F":
                 dep = max((finish[(vs - 1, j, "F", a.mb)] + comm[(s - 1) % p][j] for j in feeds[s][lane]),
                           default=0.0) if vs else 0.0
-                cost = _action_cost(a, v, split[s], fwd[s][lane][a.mb], 0.0)
+                cost = _action_cost(a, v, split[s], fwd[s][lane][a.mb], 0.0, share(s, a))
             elif a.kind == "B":
                 dep = max((finish[(vs + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
                     if vs < p * v - 1 else 0.0
-                cost = _action_cost(a, v, split[s], 0.0, bwd[s][lane][a.mb])
+                cost = _action_cost(a, v, split[s], 0.0, bwd[s][lane][a.mb], share(s, a))
             else:
-                dep, cost = 0.0, _action_cost(a, v, True, 0.0, bwd[s][lane][a.mb])
+                dep, cost = 0.0, _action_cost(a, v, True, 0.0, bwd[s][lane][a.mb], share(s, a))
             start = max(clock[s][lane], dep)
             clock[s][lane] = start + cost
             finish[(vs, lane, a.kind, a.mb)] = clock[s][lane]
