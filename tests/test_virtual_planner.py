@@ -21,8 +21,8 @@ def _random(rng: random.Random, memory: bool) -> VirtualProblem:
     cap = [1e9, 1e9] if not memory else [rng.uniform(8, 20), rng.uniform(4, 12)]
     counts = [rng.randint(1, p), 0]
     counts[1] = p - counts[0] + rng.randint(0, 1)
-    return VirtualProblem([[f / 3 / s for s in speeds] for f in flops], [[2 * f / 3 / s for s in speeds] for f in flops],
-                          static, act, counts, cap, p, v, p * rng.choice([1, 2]))
+    fwd, bwd = ([[k * f / 3 / s for s in speeds] for f in flops] for k in (1, 2))
+    return VirtualProblem(fwd, bwd, static, act, counts, cap, p, v, p * rng.choice([1, 2]))
 
 
 def test_exact_against_brute_force_on_random_small_instances():
