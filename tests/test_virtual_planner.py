@@ -70,3 +70,10 @@ def test_bad_input_and_infeasible_are_one_line_errors():
     with pytest.raises(InfeasiblePlanError, match="no cut of 4 units") as info:
         plan_virtual_stages(VirtualProblem([[1.0]] * 4, [[1.0]] * 4, [1.0] * 4, [0.0] * 4, [2], [1.0], 2, 2, 2))
     assert "\n" not in str(info.value)
+
+
+def test_past_the_search_budget_a_cut_is_still_found_and_marked_not_exact():
+    pb = VirtualProblem([[1.0, 2.0]] * 12, [[2.0, 4.0]] * 12, [0.0] * 12, [0.0] * 12, [1, 1], [1.0, 1.0], 2, 2, 4)
+    cut = plan_virtual_stages(pb, budget=5)
+    assert not cut.exact and sum(cut.counts) == 12 and cut.step >= brute_force(pb)
+    assert plan_virtual_stages(pb).exact

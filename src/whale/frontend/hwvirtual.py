@@ -39,7 +39,8 @@ def _note(names: tuple[str, ...], cut: VirtualCut, units: list[list[str]]) -> st
     pos = "; ".join(f"stage {s}: {' + '.join(f'{k} x {names[t]}' for t, k in enumerate(g) if k)}, chunks "
                     + ", ".join(f"{c} ({len(units[c])} unit(s))" for c in range(s, len(units), p))
                     for s, g in enumerate(cut.groups))
-    return (f"interleaved placement (chunk cut and device types chosen together, exact): {pos}; predicted step "
+    how = "exact" if cut.exact else "search budget reached: the best cut found, not proven optimal"
+    return (f"interleaved placement (chunk cut and device types chosen together, {how}): {pos}; predicted step "
             f"{cut.step * 1e3:.3g} ms at peak FLOPS")
 
 

@@ -49,12 +49,20 @@ class VirtualCut:
         groups: per position, devices of each type it runs on (``groups[s][t]``; sums to the width).
         step: predicted step seconds of the schedule (forward and backward of every micro-batch).
         peak_bytes: per position, the bytes one of its devices needs (static + activations held at once).
+        exact: False when the search stopped at its budget (:data:`SEARCH_BUDGET`): the best cut found, not
+            proven optimal.
     """
 
     counts: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
     step: float
     peak_bytes: tuple[float, ...]
+    exact: bool = True
+
+
+SEARCH_BUDGET = 20000
+"""Simulated steps the exact search may evaluate (about 10 s on one core); past it every open branch follows only
+its most promising option, so a cut is still found, and :attr:`VirtualCut.exact` says it is not proven optimal."""
 
 
 @dataclass(frozen=True)
@@ -182,9 +190,10 @@ def group_sequences(pb: VirtualProblem) -> list[tuple[tuple[int, ...], ...]]:
     return out
 
 
-def _branch(ev: _Evaluator, n: int, chunks: int, best: list) -> None:
+def _branch(ev: _Evaluator, n: int, chunks: int, best: list, spent: list[int], budget: int) -> None:
     """Depth-first branch and bound over the chunk ends on one group sequence; ``best`` is
-    ``[step, ends, groups]``, improved in place."""
+    ``[step, ends, groups]``, improved in place; ``spent[0]`` counts the simulated steps (past ``budget``
+    only the most promising option of each open branch is followed)."""
 
     def walk(ends: list[int]) -> None:
         """Extend ``ends`` by the next chunk's end, most promising bound first."""
@@ -200,18 +209,20 @@ def _branch(ev: _Evaluator, n: int, chunks: int, best: list) -> None:
             cand = [*ends, j]
             if ev.fits(cand):
                 bound = ev.step(cand)
+                spent[0] += 1
                 if bound < best[0]:
                     options.append((bound, j))
-        for bound, j in sorted(options):
-            if bound < best[0]:
+        for k, (bound, j) in enumerate(sorted(options)):
+            if bound < best[0] and (k == 0 or spent[0] <= budget):
                 walk([*ends, j])
 
     walk([])
 
 
-def plan_virtual_stages(pb: VirtualProblem) -> VirtualCut:
+def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> VirtualCut:
     """The chunk cut and the per-position device groups minimizing the interleaved schedule's predicted step
-    time within memory (exact; see the module docstring for the model and the algorithm).
+    time within memory (exact within ``budget`` simulated steps; see the module docstring for the model and
+    the algorithm).
 
     Returns:
         The optimal :class:`VirtualCut`; among equal steps, the first group sequence of
@@ -225,14 +236,15 @@ def plan_virtual_stages(pb: VirtualProblem) -> VirtualCut:
     pb.check()
     n, chunks = len(pb.unit_fwd), pb.positions * pb.virtual
     best: list = [math.inf, None, None]
+    spent = [0]
     for groups in group_sequences(pb):
-        _branch(_Evaluator(pb, groups), n, chunks, best)
+        _branch(_Evaluator(pb, groups), n, chunks, best, spent, budget)
     if best[1] is None:
         _infeasible(pb, n, chunks)
     ev = _Evaluator(pb, best[2])
     ends = best[1]
     counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
-    return VirtualCut(counts, best[2], best[0], tuple(ev.memory(ends)))
+    return VirtualCut(counts, best[2], best[0], tuple(ev.memory(ends)), spent[0] <= budget)
 
 
 def _infeasible(pb: VirtualProblem, n: int, chunks: int) -> None:
