@@ -33,6 +33,7 @@ class UnitCut:
     units: list[list[str]]
     device_order: tuple[int, ...] = ()
     note: str = ""
+    position_bytes: tuple[float, ...] = ()  # interleaved cuts: bytes per pipeline position the planner predicts
 
 
 def sample_rows(sample_batch) -> int:
@@ -168,10 +169,18 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
         placed = place_stages(*args, list(types.capacity), *rest)
     except InfeasiblePlanError:  # nothing fits as is: place by speed; the memory planner adds what makes it fit
         placed = place_stages(*args, [sum(static) + max(in_flight) * sum(act) + 1.0] * len(types.names), *rest)
+    stage_of, names = cut_by_counts(model, units, placed.counts)
+    return UnitCut(stage_of, names, placement_order(layout, types, placed.groups),
+                   _placement_note(types, placed, names, exact))
+
+
+def cut_by_counts(model: nn.Module, units, counts) -> tuple[dict[str, int], list[list[str]]]:
+    """``(stage_of, names)``: stage ``s`` takes the next ``counts[s]`` profiled units; every tensor FQN under a
+    unit maps to its stage (the first stage holding it, for a tensor two units share)."""
     stage_of: dict[str, int] = {}
     names: list[list[str]] = []
     start = 0
-    for s, c in enumerate(placed.counts):
+    for s, c in enumerate(counts):
         names.append([u.name for u in units[start:start + c]])
         for u in units[start:start + c]:
             mod = model.get_submodule(u.name)
@@ -179,8 +188,7 @@ def hardware_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: Cl
                             *mod.named_buffers(prefix=u.name, remove_duplicate=False)]:
                 stage_of.setdefault(name, s)
         start += c
-    return UnitCut(stage_of, names, placement_order(layout, types, placed.groups),
-                   _placement_note(types, placed, names, exact))
+    return stage_of, names
 
 
 def _unit_stages(prof: ModelProfile, stage_params: list[set[str]], cuts: tuple[StageCut, ...] = ()) -> list[int]:

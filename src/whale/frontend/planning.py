@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import whale.frontend.hwplan as hwplan
+import whale.frontend.hwvirtual as hwvirtual
 import whale.frontend.memplan as memplan
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.config import Config
@@ -118,15 +119,17 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     kinds = [TaskGraphSummary(s.kind, s.device_count) for s in tg_scopes]
     pipelined = len(tg_scopes) > 1 and not is_colocated(kinds, config.num_micro_batch)
     aware = cluster is not None and config.hardware_aware
-    if config.virtual_stages > 1 and (aware or layout is not None):
-        raise PlanError(f"virtual_stages={config.virtual_stages} (interleaved 1F1B) is planned on identical devices "
-                        "only: it cannot be combined with a cluster spec or Config(auto=True) yet; drop one of them")
+    virtual = config.virtual_stages > 1
+    if virtual and layout is not None:
+        raise PlanError(f"virtual_stages={config.virtual_stages} (interleaved 1F1B) is planned from the annotated "
+                        "stage scopes: it cannot be combined with Config(auto=True) yet; drop one of them")
     prof = layout.profile if layout is not None else \
         hwplan.profile(model, sample_batch, loss_fn=loss_fn) if aware and sample_batch is not None else None
     speed_cut = hwplan.UnitCut(layout.stage_of, layout.units) if layout is not None and layout.units else None
     if layout is None and pipelined and prof is not None and is_heterogeneous(cluster):
         base = make_plan(kinds, world_size, config)
-        speed_cut = hwplan.hardware_cut(model, prof, base, cluster, config, hwplan.sample_rows(sample_batch))
+        cut_fn = hwvirtual.interleaved_cut if virtual else hwplan.hardware_cut  # chunks by speed, or stages
+        speed_cut = cut_fn(model, prof, base, cluster, config, hwplan.sample_rows(sample_batch))
     plan, stages = _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipelined, speed_cut,
                                  sample_batch)
     # Split shapes and sharding rules, checked now rather than on every rank in wh.parallelize (SplitError
@@ -143,12 +146,27 @@ def _plan(model, world_size, config, sample_batch, cluster, loss_fn, layout) -> 
     if prof is None:
         plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
         plan = with_zero_weights(plan, capacity)
+    elif virtual:  # memory was checked by the chunk planner; the memory techniques are not searched for chunks
+        plan = _interleaved_hardware(plan, model, prof, cluster, config, speed_cut)
     else:
         params = hwplan.stage_param_names(plan.stage_cuts, model)
         plan = dataclasses.replace(plan, stage_flops=hwplan.stage_flops(prof, params, plan.stage_cuts))
         plan = _fit(model, plan, cluster, config, memplan.stage_memories(prof, model, params,
                     plan.activation_checkpoint), hwplan.sample_rows(sample_batch))
     return expert_memory_counts(plan, capacity), stages  # experts per device within memory (MoE under split)
+
+
+def _interleaved_hardware(plan: Plan, model: nn.Module, prof, cluster, config: Config,
+                          speed_cut: hwplan.UnitCut | None) -> Plan:
+    """An interleaved plan balanced for ``cluster``: lane shares by speed, FLOPs per position (its chunks
+    together) and, when the chunk planner cut it, each rank's predicted bytes (its position's chunks)."""
+    plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
+    chunk_flops = hwplan.stage_flops(prof, hwplan.stage_param_names(plan.stage_cuts, model), plan.stage_cuts)
+    flops = tuple(sum(chunk_flops[s::plan.num_stages]) for s in range(plan.num_stages))
+    memory = ()
+    if speed_cut is not None and speed_cut.position_bytes:
+        memory = tuple(speed_cut.position_bytes[plan.coords(r)[0]] for r in range(plan.world_size))
+    return dataclasses.replace(plan, stage_flops=flops, predicted_memory=memory)
 
 
 def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:

@@ -99,10 +99,10 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"graph captured with {how}")
     for s, cut in enumerate(plan.stage_cuts):
         sizes = f"{len(cut.nodes)} graph nodes, {len(cut.params)} parameters, {len(cut.buffers)} buffers"
+        what = f"chunk {s} (stage {s % plan.num_stages})" if plan.virtual_stages > 1 else f"stage {s}"
         if cut.units:
-            lines += _wrapped(f"stage {s} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
+            lines += _wrapped(f"{what} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
         else:
-            what = f"chunk {s} (stage {s % plan.num_stages})" if plan.virtual_stages > 1 else f"stage {s}"
             lines.append(f"{what} ({sizes}), cut as annotated")
     if plan.activation_checkpoint:
         lines += _wrapped("activation checkpointing (recomputed in backward): ", plan.activation_checkpoint)
@@ -115,17 +115,27 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _chunks_of(plan: Plan, stage: int) -> str:
+    """An interleaved stage's chunks and their unit counts (``0 (4 units), 2 (2 units)``), or its chunk
+    indices when the cut is as annotated."""
+    cuts = plan.stage_cuts
+    return ", ".join(f"{c} ({len(cuts[c].units)} units)" if c < len(cuts) and cuts[c].units else str(c)
+                     for c in range(stage, plan.num_chunks, plan.num_stages))
+
+
 def _device_rows(plan: Plan) -> list[str]:
-    """Per rank: device type, stage, lane, batch share and predicted busy share."""
-    mem = bool(plan.predicted_memory)
+    """Per rank: device type, stage, lane, batch share, predicted busy share (and memory), and under an
+    interleaved plan its chunks with their units."""
+    mem, chunks = bool(plan.predicted_memory), plan.virtual_stages > 1
     rows = [f"{'rank':>4} {'device':<16} {'stage':>5} {'lane':>4} {'share':>7} {'busy*':>6}"
-            + (f" {'memory**':>10}" if mem else "")]
+            + (f" {'memory**':>10}" if mem else "") + ("  chunks (units)" if chunks else "")]
     for r in range(plan.world_size):
         stage, lane = plan.coords(r)
         util = f"{plan.predicted_utilization[r]:.0%}" if plan.predicted_utilization else "-"
         weights = plan.weights_of(stage)
         rows.append(f"{r:>4} {plan.devices[r]:<16} {stage:>5} {lane:>4} {weights[lane] / sum(weights):>7.1%} "
-                    f"{util:>6}" + (f" {format_bytes(plan.predicted_memory[r]):>10}" if mem else ""))
+                    f"{util:>6}" + (f" {format_bytes(plan.predicted_memory[r]):>10}" if mem else "")
+                    + (f"  {_chunks_of(plan, stage)}" if chunks else ""))
     rows.append("* busy: predicted share of the step this rank computes (its compute time over the slowest "
                 "rank's; 100% = the bottleneck)")
     if mem:

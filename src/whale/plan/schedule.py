@@ -267,13 +267,15 @@ def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
     return order
 
 
-def max_in_flight(actions: list[Action]) -> int:
+def max_in_flight(actions: list[Action], chunk_sizes: list[float] | None = None) -> float:
     """Largest number of (chunk, micro-batch) forwards whose activations are held (activation memory): from the
-    F until the B, or until the W when the actions split the backward."""
+    F until the B, or until the W when the actions split the backward. With ``chunk_sizes`` (bytes one
+    micro-batch of each chunk keeps) the largest sum of held bytes instead (chunks of different sizes)."""
     free = "W" if any(a.kind == "W" for a in actions) else "B"
     live, peak = 0, 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1 if a.kind == free else 0
+        size = 1 if chunk_sizes is None else chunk_sizes[a.chunk]
+        live += size if a.kind == "F" else -size if a.kind == free else 0
         peak = max(peak, live)
     return peak
 
@@ -351,6 +353,7 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
              for s in range(p)]
     split = [any(a.kind == "W" for a in acts) for acts in schedule]
+    share = (lambda s, a: None) if chunk_shares is None else (lambda s, a: chunk_shares[s][a.chunk])  # noqa: E731
     finish: dict[tuple[int, int, str, int], float] = {}  # (virtual stage, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []

@@ -1,0 +1,79 @@
+"""Hardware-aware virtual stages (:mod:`whale.planner.virtual`): exact against brute force on random small
+instances, monotone in speed, memory respected, and the bad-input errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from whale.planner.balance import InfeasiblePlanError
+from whale.planner.virtual import VirtualProblem, brute_force, plan_virtual_stages
+
+
+def _random(rng: random.Random, memory: bool) -> VirtualProblem:
+    p, v = rng.choice([(2, 2), (2, 3), (3, 2)])
+    n = rng.randint(p * v, p * v + 3)
+    speeds = [1.0, rng.choice([0.5, 0.7, 1.0])]
+    flops = [rng.uniform(0.5, 3.0) for _ in range(n)]
+    act = [rng.uniform(0.0, 2.0) for _ in range(n)]
+    static = [rng.uniform(0.0, 3.0) for _ in range(n)]
+    cap = [1e9, 1e9] if not memory else [rng.uniform(8, 20), rng.uniform(4, 12)]
+    counts = [rng.randint(1, p), 0]
+    counts[1] = p - counts[0] + rng.randint(0, 1)
+    fwd, bwd = ([[k * f / 3 / s for s in speeds] for f in flops] for k in (1, 2))
+    return VirtualProblem(fwd, bwd, static, act, counts, cap, p, v, p * rng.choice([1, 2]))
+
+
+def test_exact_against_brute_force_on_random_small_instances():
+    """Worst ratio of the planner's predicted step over the brute-force optimum, 60 instances (a third with
+    tight memory): 1.0, and infeasible exactly when brute force finds nothing."""
+    rng = random.Random(0)
+    worst, solved = 0.0, 0
+    for k in range(60):
+        pb = _random(rng, memory=k % 3 == 0)
+        best = brute_force(pb)
+        if best == float("inf"):
+            with pytest.raises(InfeasiblePlanError):
+                plan_virtual_stages(pb)
+            continue
+        cut = plan_virtual_stages(pb)
+        assert sum(cut.counts) == len(pb.unit_fwd) and min(cut.counts) >= 1
+        caps = [min(pb.type_capacity[t] for t, c in enumerate(g) if c) for g in cut.groups]
+        assert all(b <= c for b, c in zip(cut.peak_bytes, caps, strict=True))
+        worst = max(worst, cut.step / best)
+        solved += 1
+    assert solved >= 40
+    assert worst == pytest.approx(1.0, rel=1e-12), f"worst ratio {worst}"
+
+
+def test_a_fast_device_gets_more_layers_and_positions_follow_speed():
+    """Two positions, one twice as fast: its chunks hold more of 12 equal layers than the slow one's."""
+    pb = VirtualProblem([[1.0, 2.0]] * 12, [[2.0, 4.0]] * 12, [0.0] * 12, [0.0] * 12, [1, 1], [1.0, 1.0], 2, 2, 4)
+    cut = plan_virtual_stages(pb)
+    fast = 0 if cut.groups[0] == (1, 0) else 1
+    assert sum(cut.counts[fast::2]) > sum(cut.counts[1 - fast::2])
+    assert cut.step == pytest.approx(brute_force(pb))
+
+
+def test_memory_moves_layers_off_a_small_device():
+    """Same speeds, but type 1 holds only 3 layers' bytes: it gets at most 3."""
+    pb = VirtualProblem([[1.0, 1.0]] * 8, [[2.0, 2.0]] * 8, [1.0] * 8, [0.0] * 8, [1, 1], [100.0, 3.0], 2, 2, 2)
+    cut = plan_virtual_stages(pb)
+    small = 0 if cut.groups[0] == (0, 1) else 1
+    assert sum(cut.counts[small::2]) <= 3 and cut.peak_bytes[small] <= 3.0
+
+
+def test_bad_input_and_infeasible_are_one_line_errors():
+    with pytest.raises(ValueError, match="cannot cut 3 units into 2 positions x 2 chunks"):
+        plan_virtual_stages(VirtualProblem([[1.0]] * 3, [[1.0]] * 3, [0.0] * 3, [0.0] * 3, [2], [1.0], 2, 2, 2))
+    with pytest.raises(InfeasiblePlanError, match="no cut of 4 units") as info:
+        plan_virtual_stages(VirtualProblem([[1.0]] * 4, [[1.0]] * 4, [1.0] * 4, [0.0] * 4, [2], [1.0], 2, 2, 2))
+    assert "\n" not in str(info.value)
+
+
+def test_past_the_search_budget_a_cut_is_still_found_and_marked_not_exact():
+    pb = VirtualProblem([[1.0, 2.0]] * 12, [[2.0, 4.0]] * 12, [0.0] * 12, [0.0] * 12, [1, 1], [1.0, 1.0], 2, 2, 4)
+    cut = plan_virtual_stages(pb, budget=5)
+    assert not cut.exact and sum(cut.counts) == 12 and cut.step >= brute_force(pb)
+    assert plan_virtual_stages(pb).exact
