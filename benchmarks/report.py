@@ -105,7 +105,11 @@ ROWS = [
      "analytic", 1, "%"),
     ("MoE minus dense final held-out loss, nats", "moe_vs_dense.json", "moe_minus_dense_final_val_loss", None, "< 0",
      3, ""),
-    ("Mixed-GPU MoE, aware vs uniform (EMULATED)", "moe.json", "hetero_moe_speedup_over_uniform", None, "", 3, ""),
+    ("Mixed-GPU MoE, aware vs uniform (EMULATED)", "moe.json", "hetero_moe_speedup_over_uniform",
+     "hetero_moe_speedup_over_uniform_paired", ">= 0.9 x ideal", 3, ""),
+    *[(f"Classification, split vs DP step time, C = 100,000, {n} ranks", "classification.json",
+       f"step_time_ratio_split_vs_dp_C100000.{n}", f"step_time_ratio_split_vs_dp_C100000_paired.{n}", "<= 1.0", 3,
+       "") for n in ("2", "4")],
     ("Exit teardown: runs that exit 0 (of 20)", "exit_teardown.json", "exit_0", None, "20", 0, ""),
 ]
 

@@ -58,6 +58,8 @@ def test_benchmark_measured_sync_bytes_match_analytic():
     tensors = len(list(build(SMALL["classes"], SMALL["features"], SMALL["width"], False, SMALL["blocks"],
                              SMALL["hidden"]).parameters()))
     assert st["dp"]["used_flag_bytes"] == FP32 * tensors  # one "used" flag per parameter tensor
+    paired = res["step_time_ratio_split_vs_dp_paired"]  # one ABBA pair per measured step
+    assert paired["n"] == SMALL["steps"] and res["step_time_ratio_split_vs_dp"] == paired["median"]
     same_batch_check = 11 * 8  # first steps: failure flag + 5-value fingerprint and its negation, float64
     assert sum(st["dp"]["tap_bytes"].values()) == (st["dp"]["sync_bytes"] + st["dp"]["fused_loss_bytes"]
                                                    + st["dp"]["used_flag_bytes"] + same_batch_check)
