@@ -67,6 +67,8 @@ def transformer_candidates(est: TransformerEstimator, constraints: Constraints |
     blocks = est.shape.layers
 
     def cuts(p: int, mix: tuple) -> list[tuple[int, ...]]:
+        """Stage cuts (layers per stage, length ``p``) to try for device mix ``mix``: the estimator's own cuts
+        plus Megatron-LM's even cut (embedding first, head last) when ``blocks`` divides by ``p``."""
         extra = megatron_cut(blocks, p)
         return est.cuts(p, mix) + ([extra] if extra else [])
 
