@@ -18,7 +18,7 @@ from tests.distributed import run_ranks
 from tests.models import TinyLM, lm_batches
 from whale.elastic.straggler import StragglerController, slow_down
 from whale.plan.plan import Plan, PlanError, TaskGraph
-from whale.planner.straggler import lane_seconds_per_row, plan_rebalance, predict_step_seconds
+from whale.planner.straggler import lane_costs, lane_seconds_per_row, plan_rebalance, predict_step_seconds
 
 CLUSTER = str(Path(__file__).parent / "data" / "two_v100.yaml")
 
@@ -27,12 +27,12 @@ def _dp(lanes: int, m: int = 1) -> Plan:
     return Plan(world_size=lanes, task_graphs=(TaskGraph(0, "replicate", lanes),), num_replicas=1, num_micro_batch=m)
 
 
-def _best(mb: int, spr: list[float]) -> float:
+def _best(mb: int, spr: list[float], fixed: list[float]) -> float:
     """Brute force: the slowest lane's compute of the best whole split of one micro-batch (>= 1 row per lane)."""
     best = float("inf")
     for split in itertools.product(range(1, mb + 1), repeat=len(spr)):
         if sum(split) == mb:
-            best = min(best, max(r * t for r, t in zip(split, spr, strict=True)))
+            best = min(best, max(f + r * t for r, t, f in zip(split, spr, fixed, strict=True)))
     return best
 
 
@@ -43,9 +43,12 @@ def test_rebalanced_step_is_the_brute_force_optimum():
         mb = rng.randint(lanes, 9)
         spr = [rng.choice([0.01, 0.02, rng.uniform(0.001, 0.1)]) for _ in range(lanes)]
         other = rng.uniform(0.0, 0.5)
-        d = plan_rebalance(_dp(lanes, m), mb * m, spr, other, remaining_steps=100, switch_s=0.0, threshold=0.0)
-        assert d.step_after_s == pytest.approx(other + m * _best(mb, spr), rel=1e-12)
-        assert d.step_before_s == pytest.approx(predict_step_seconds(_dp(lanes, m), mb * m, spr, other))
+        fixed = [rng.choice([0.0, rng.uniform(0.0, 0.2)]) for _ in range(lanes)] if rng.random() < 0.5 else None
+        d = plan_rebalance(_dp(lanes, m), mb * m, spr, other, remaining_steps=100, switch_s=0.0, threshold=0.0,
+                           fixed_s=fixed)
+        per_mb = [f / m for f in fixed] if fixed else [0.0] * lanes
+        assert d.step_after_s == pytest.approx(other + m * _best(mb, spr, per_mb), rel=1e-12)
+        assert d.step_before_s == pytest.approx(predict_step_seconds(_dp(lanes, m), mb * m, spr, other, fixed))
         assert d.step_after_s <= d.step_before_s + 1e-15 and sum(d.rows_after) == mb * m
 
 
@@ -62,6 +65,16 @@ def test_decision_weighs_gain_against_switch_cost_and_threshold():
     assert lane_seconds_per_row(_dp(2), [(0, 0, 0.1), (0, 1, 0.3)]) == [0.1, 0.3]
     with pytest.raises(PlanError, match="positive seconds-per-row"):
         lane_seconds_per_row(_dp(2), [(0, 0, 0.1)])
+
+
+def test_lane_costs_fit_the_fixed_part_from_two_row_counts():
+    # lane 0: busy = 0.02 + 0.01 * rows, measured at 9 and 3 rows; lane 1 unchanged rows: proportional
+    per_row, fixed = lane_costs([(3, 0.05), (13, 0.26)], [(9, 0.11), (13, 0.25)])
+    assert per_row == pytest.approx([0.01, 0.02]) and fixed == pytest.approx([0.02, 0.0])
+    per_row, fixed = lane_costs([(3, 0.05)], [(9, 0.04)])  # the speed changed in between: proportional
+    assert per_row == pytest.approx([0.05 / 3]) and fixed == [0.0]
+    with pytest.raises(PlanError, match="lane 0 has 0 rows"):
+        lane_costs([(0, 0.1)])
     with pytest.raises(ValueError, match="every >= 1"):
         StragglerController(16, 10, every=0)
 

@@ -1,9 +1,11 @@
 """The straggler controller: measures every rank's step, asks the planner, switches the shares without a restart.
 
 Called by the training loop after every step (:meth:`StragglerController.after_step`). Each rank keeps its
-latest ``window`` steps' compute seconds per row (the engine's measured busy time over its rows, emulated device
-time included) and step seconds. Every ``every`` steps the ranks gather the medians (one ``all_gather_object``);
-the medians make a single slow or fast step harmless. Every rank then runs the same pure decision
+latest ``window`` steps' compute seconds (the engine's measured busy time, emulated device time included) and
+step seconds. Every ``every`` steps the ranks gather the medians (one ``all_gather_object``); the medians make a
+single slow or fast step harmless. A lane's cost per row comes from its rows and median compute now, and, when a
+switch changed its rows since the previous check, from the line through both measurements (its fixed part too:
+:func:`whale.planner.straggler.lane_costs`). Every rank then runs the same pure decision
 (:func:`whale.planner.straggler.plan_rebalance`) on the same numbers, so all switch at the same step, or none.
 The switch cost weighed against the gain is measured: at the first check the controller times a switch to the
 running plan itself (the engine's plan swap, the loaders' rows, a barrier). A switch only replaces the plan's
@@ -24,7 +26,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from whale.planner.straggler import RebalanceDecision, lane_rows, lane_seconds_per_row, plan_rebalance
+from whale.plan.plan import PlanError
+from whale.planner.straggler import RebalanceDecision, lane_costs, lane_rows, plan_rebalance
 
 __all__ = ["StragglerController", "slow_down"]
 
@@ -84,7 +87,8 @@ class StragglerController:
         self.every, self.window, self.threshold = every, window, threshold
         self.forced = dict(forced or {})
         self.log = log
-        self._spr: deque[float] = deque(maxlen=window)
+        self._busy: deque[float] = deque(maxlen=window)
+        self._last: list | None = None  # every lane's (rows, median busy s) at the previous check
         self._step: deque[float] = deque(maxlen=window)
         self.events: list[dict] = []
         self.checks: list[RebalanceDecision] = []
@@ -93,10 +97,12 @@ class StragglerController:
     def after_step(self, engine, metrics: dict) -> RebalanceDecision | None:
         """Record the step just done (``metrics`` as :meth:`whale.Engine.step` returns them); on a check step
         decide and maybe switch (collective then: every rank must call it after every step). Returns the
-        decision when it switched."""
-        timing = engine.history.steps[-1]
-        if timing.rows:
-            self._spr.append(timing.busy / timing.rows)
+        decision when it switched.
+
+        Raises:
+            PlanError: on a check, a plan whose stages differ in width (not re-balanced here).
+        """
+        self._busy.append(engine.history.steps[-1].busy)
         self._step.append(metrics["step_time"])
         done = engine.steps_done
         if self.forced:
@@ -110,17 +116,23 @@ class StragglerController:
 
     def _check(self, engine, done: int) -> RebalanceDecision | None:
         """Gather the medians, decide (same numbers on every rank), switch if it pays."""
-        spr = statistics.median(self._spr) if self._spr else 0.0
-        every = _gather((engine.stage, engine.lane, spr, statistics.median(self._step)))
+        every = _gather((engine.lane, statistics.median(self._busy), statistics.median(self._step)))
         if self.switch_s is None:
             self.switch_s = self._measure_switch(engine)
         plan = engine.plan
-        per_lane = lane_seconds_per_row(plan, [(s, lane, t) for s, lane, t, _ in every])
+        if not plan.uniform_width:
+            raise PlanError(f"straggler re-balancing needs stages of one width; this plan's widths are "
+                            f"{plan.stage_widths}")
         rows = lane_rows(plan, self.global_batch)
-        compute = max(r * t for r, t in zip(rows, per_lane, strict=True))
-        other = max(step for *_, step in every) - compute
-        decision = plan_rebalance(plan, self.global_batch, per_lane, other, self.total_steps - done, self.switch_s,
-                                  self.threshold)
+        busy = [0.0] * plan.num_lanes  # a lane counts its slowest stage
+        for lane, b, _ in every:
+            busy[lane] = max(busy[lane], b)
+        now = list(zip(rows, busy, strict=True))
+        per_row, fixed = lane_costs(now, self._last)
+        self._last = now
+        other = max(step for *_, step in every) - max(busy)
+        decision = plan_rebalance(plan, self.global_batch, per_row, other, self.total_steps - done, self.switch_s,
+                                  self.threshold, fixed)
         self.checks.append(decision)
         if not decision.switch:
             return None
@@ -142,7 +154,7 @@ class StragglerController:
         engine.switch_shares(plan)
         if self.on_switch is not None:
             self.on_switch(plan)
-        self._spr.clear()
+        self._busy.clear()
         self._step.clear()
         after = list(lane_rows(plan, self.global_batch))
         self.events.append({"step": done, "rows_before": before, "rows_after": after,
