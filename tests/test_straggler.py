@@ -132,3 +132,35 @@ def test_slowed_rank_is_rebalanced_without_restart_with_reference_losses():
     assert diff <= 1e-6, f"losses differ from the reference run by {diff}"
     torch.testing.assert_close(torch.tensor(slowed[0]["losses"]), torch.tensor(slowed[0]["ref"]), rtol=1e-5,
                                atol=1e-6)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpt_example_auto_checkpoint_interval_and_straggler(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from whale.planner.ckpt_interval import checkpoint_interval
+
+    cmd = [str(Path(sys.executable).with_name("whale")), "launch", "-n", "2", "--cluster",
+           str(ROOT / "examples/clusters/v100_p100_2.yaml"), str(ROOT / "examples/gpt/train.py"),
+           "--data-dir", str(ROOT / "data/shakespeare"), "--batch-size", "16", "--seq-len", "32", "--n-layer", "2",
+           "--n-head", "2", "--n-embd", "32", "--micro-batches", "1", "--stages", "1", "--eval-every", "0",
+           "--eval-batches", "1", "--sample-tokens", "0", "--tensorboard", "", "--no-progress", "--steps", "24",
+           "--ckpt-every", "auto", "--max-lost-seconds", "0.6", "--slowdown-at", "8:0:4", "--stragglers",
+           "--ckpt-dir", str(tmp_path / "ck"), "--summary", str(tmp_path / "s.json")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    adaptive = json.loads((tmp_path / "s.json").read_text())["adaptive"]
+    chosen = adaptive["ckpt_interval"]
+    again = checkpoint_interval(chosen["step_s"], chosen["save_s"], 0.6, 0.1)
+    assert chosen["steps"] == again.steps and proc.stdout.count("--ckpt-every auto:") == 1
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ck").glob("step-*"))
+    assert saved == sorted({*range(3, 24, chosen["steps"]), 24}), (saved, chosen)
+    after = [e for e in adaptive["straggler_events"] if e["step"] > 8]
+    assert after and after[0]["rows_after"][0] < after[0]["rows_before"][0], adaptive["straggler_events"]
+    assert "rank 0's emulated device is 4x slower" in proc.stdout
