@@ -8,7 +8,8 @@ switch changed its rows since the previous check, from the line through both mea
 :func:`whale.planner.straggler.lane_costs`). Every rank then runs the same pure decision
 (:func:`whale.planner.straggler.plan_rebalance`) on the same numbers, so all switch at the same step, or none.
 The switch cost weighed against the gain is measured: at the first check the controller times a switch to the
-running plan itself (the engine's plan swap, the loaders' rows, a barrier). A switch only replaces the plan's
+running plan itself (the engine's plan swap, the loaders' rows, a barrier; the collective batch checks of the
+three steps after a real switch, a few milliseconds, are not in it). A switch only replaces the plan's
 lane shares (:meth:`whale.Engine.switch_shares`): the processes, the modules and the optimizer state stay, and the
 math stays that of one process (a token-weighted loss is normalised over the global batch whatever the shares).
 
