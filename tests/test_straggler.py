@@ -91,6 +91,9 @@ def _padded(steps: int, batch: int):
 
 
 def _job(rank, world, slow_at, forced, steps=10, batch=16):
+    import os
+
+    os.environ["WHALE_EMULATION_CORES"] = "0.5"  # emulated time (4x the compute), not a loaded host, sets the step
     ctx = wh.init(wh.Config(cluster=CLUSTER, seed=0))
     torch.manual_seed(0)
     model = TinyLM(stage_layers=(2,))
@@ -150,17 +153,20 @@ def test_gpt_example_auto_checkpoint_interval_and_straggler(tmp_path):
            "--data-dir", str(ROOT / "data/shakespeare"), "--batch-size", "16", "--seq-len", "32", "--n-layer", "2",
            "--n-head", "2", "--n-embd", "32", "--micro-batches", "1", "--stages", "1", "--eval-every", "0",
            "--eval-batches", "1", "--sample-tokens", "0", "--tensorboard", "", "--no-progress", "--steps", "24",
-           "--ckpt-every", "auto", "--max-lost-seconds", "0.6", "--slowdown-at", "8:0:4", "--stragglers",
+           "--ckpt-every", "auto", "--max-lost-seconds", "0.6", "--slowdown-at", "10:0:4", "--stragglers",
            "--ckpt-dir", str(tmp_path / "ck"), "--summary", str(tmp_path / "s.json")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # 0.5 emulated cores stretch every rank's compute 4x, so emulated device time, not a loaded host, sets the step
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WHALE_EMULATION_CORES": "0.5"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     adaptive = json.loads((tmp_path / "s.json").read_text())["adaptive"]
     chosen = adaptive["ckpt_interval"]
     again = checkpoint_interval(chosen["step_s"], chosen["save_s"], 0.6, 0.1)
     assert chosen["steps"] == again.steps and proc.stdout.count("--ckpt-every auto:") == 1
-    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ck").glob("step-*"))
-    assert saved == sorted({*range(3, 24, chosen["steps"]), 24}), (saved, chosen)
-    after = [e for e in adaptive["straggler_events"] if e["step"] > 8]
+    assert adaptive["saved_steps"] == list(range(3, 24, chosen["steps"])), (adaptive["saved_steps"], chosen)
+    kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ck").glob("step-*"))
+    assert kept == sorted({*adaptive["saved_steps"], 24})[-2:]  # the newest two are kept (checkpoint.save keep=2)
+    # slowed after check step 10: the checks at 15 and 20 see only slow steps (earlier switches correct the shares)
+    after = [e for e in adaptive["straggler_events"] if e["step"] > 10]
     assert after and after[0]["rows_after"][0] < after[0]["rows_before"][0], adaptive["straggler_events"]
     assert "rank 0's emulated device is 4x slower" in proc.stdout

@@ -107,6 +107,7 @@ class Adaptive:
         step so far choose the interval, printed once."""
         t0 = time.perf_counter()
         save()
+        self.record.setdefault("saved_steps", []).append(done)
         if not self.auto:
             return
         if self.every is not None:
