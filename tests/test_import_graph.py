@@ -26,7 +26,8 @@ The floors, lowest first (a module may import its own floor and the floors below
 6. **parallel**: the parallel mechanisms a plan's stages run on (split, pipeline, data parallel, ZeRO, MoE).
 7. **runtime**: executes a plan (engine, context, checkpoints, launch); decides nothing.
 8. **calibration**: ``whale.calibration``: measurement that launches the engine (unit timings, engine fits) and
-   the prediction that measures what the cache lacks.
+   the prediction that measures what the cache lacks. ``whale.elastic``: controllers
+   that watch a running engine and change its plan (straggler re-balancing).
 9. **api**: the package root ``whale`` (the public names) and the command lines.
 
 The issue's ``parallel/memory`` floor is split in two here because the front end's profiler really uses
@@ -52,7 +53,7 @@ FLOORS: dict[str, int] = {
     "whale.frontend": 5,
     "whale.parallel": 6,
     "whale.runtime": 7,
-    "whale.calibration": 8,
+    "whale.calibration": 8, "whale.elastic": 8,
     "whale": 9, "whale.cli": 9, "whale.plan_cli": 9, "whale.simulate_cli": 9, "whale.checkpoint_cli": 9,
 }
 """Module or package -> floor (a module's floor is that of its longest listed prefix)."""

@@ -34,6 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 import whale as wh  # noqa: E402
+from examples.gpt.adaptive import Adaptive, add_adaptive_args, ckpt_every  # noqa: E402
 from examples.gpt.data import (  # noqa: E402
     DEFAULT_DATA_DIR,
     TokenBatches,
@@ -85,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--eval-every", type=zero, default=200, help="held-out evaluation every N steps (0: start/end only)")
     a("--eval-batches", type=one, default=8, help="held-out batches per evaluation (fixed set)")
     a("--ckpt-dir", default="checkpoints/gpt")
-    a("--ckpt-every", type=zero, default=0, help="checkpoint every N steps (0: only at the end)")
+    a("--ckpt-every", type=ckpt_every, default=0, help="checkpoint every N steps (0: only at the end; auto: from the "
+      "measured save cost, see --max-lost-seconds)")
+    add_adaptive_args(a)
     add_resume_args(p)
     a("--timeout", type=float, default=None,
       help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
@@ -194,6 +197,7 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
     state.setdefault("train_time", 0.0)
     state.setdefault("train_tokens", 0)
     state.setdefault("train_loss", [])
+    adapt = Adaptive(args, engine, batches, end)  # --ckpt-every auto, --slowdown-at, --stragglers
     for step in range(start, end):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, args, state["lr_horizon"])
@@ -221,9 +225,11 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
             scalars.eval(done, v)
             if rank0:
                 bar.write(f"step {done}: held-out loss {v:.4f} (train loss {m['loss']:.4f})")
-        if args.ckpt_every and done % args.ckpt_every == 0 and done != end:
-            save(engine, args, done, batches, state)
+        adapt.after_step(done, m)
+        if adapt.save_due(done, end):
+            adapt.timed_save(lambda: save(engine, args, done, batches, state), done)  # noqa: B023 - called now
     bar.close()
+    state["adaptive"] = adapt.record
     return state
 
 
@@ -377,7 +383,7 @@ def finish(args, cfg, engine, full, state, bubble, wall_s: float) -> None:
         schedule=args.schedule, precision=args.precision, skipped_steps=state.get("skipped_steps", 0),
         bubble=bubble, config=vars(args), sample=text, memory=state["memory"], zero=engine.plan.zero,
         offload=engine.plan.offload, optimizer_state_bytes_per_rank=state["optimizer_state_bytes"],
-        predicted=state.get("predicted"), run=engine.run_id,
+        predicted=state.get("predicted"), run=engine.run_id, adaptive=state.get("adaptive"),
     )
     os.makedirs(os.path.dirname(args.summary) or ".", exist_ok=True)
     with open(args.summary, "w") as f:

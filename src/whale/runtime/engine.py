@@ -339,6 +339,23 @@ class Engine(GradientUpdate):
         self._recheck_local()
         return self.plan
 
+    def switch_shares(self, plan: Plan) -> None:
+        """Run ``plan`` from the next step: the same plan but for its lane shares (a straggler controller's choice,
+        :mod:`whale.elastic.straggler`); nothing is rebuilt and the optimizer state stays. Every rank must switch
+        at the same step (then set the loaders' rows to :func:`whale.local_rows` of the new plan).
+
+        Raises:
+            PlanError: ``plan`` differs in more than its shares, notes and predicted utilization.
+        """
+        old = self.plan
+        if dataclasses.replace(plan, lane_weights=old.lane_weights, stage_lane_weights=old.stage_lane_weights,
+                               notes=old.notes, predicted_utilization=old.predicted_utilization) != old:
+            raise PlanError("switch_shares takes a plan that differs only in its lane shares; rebuild the engine "
+                            "(or save and load a checkpoint) to change anything else")
+        plan.validate()
+        self.plan = plan
+        self._recheck_local()
+
     def _recheck_local(self) -> None:
         """New shares: the next local batches are checked collectively again (a loader still on the old
         shares then stops every rank with a BatchError)."""
