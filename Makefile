@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-hf test test-durations lint bench report clean
+.PHONY: setup train train-hf train-elastic test test-durations lint bench report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ train: $(STAMP) data/shakespeare/.ready
 
 train-hf: $(STAMP) data/shakespeare/.ready
 	$(VENV)/bin/whale launch -n $(NPROC) $(if $(CLUSTER),--cluster $(CLUSTER)) examples/hf/train.py $(TRAIN_ARGS)
+
+# Two emulated nodes (docs/elastic.md): node b is killed mid-run, node a re-plans and continues, b rejoins, re-expand
+train-elastic: $(STAMP) data/shakespeare/.ready
+	PYTHONPATH=src:. $(PY) examples/elastic/demo.py $(TRAIN_ARGS)
 
 # pytest-xdist workers (each with its own forkserver for the gloo ranks), handed one test at a time, longest first
 # (tests/conftest.py reads tests/durations.json). More than the cores oversubscribe the 4-rank tests;

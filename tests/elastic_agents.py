@@ -29,8 +29,9 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "HF_HUB_OFFLINE": "
 GPT = ["--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
        "--micro-batches", "2", "--stages", "2", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
        "--tensorboard", "", "--no-progress", "--log-every", "1", "--timeout", "60"]
-RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
-"""Rendezvous settings: a survivor waits 5 s for more nodes, a dead agent is dropped after ~2 s of silence."""
+RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4"
+"""Rendezvous settings: a survivor waits 5 s for more nodes, a dead agent is dropped after 4 s of silence (at
+keep_alive_max_attempt=2 a live agent can look dead: whale launch refuses < 3)."""
 
 
 def free_port() -> int:
@@ -88,12 +89,14 @@ class Agent:
         return "".join(t for _, t in self.lines)
 
 
-def agent(node: str, port: int, d: Path, steps: int, ckpt_every: int, data_dir: str, host: bool) -> Agent:
-    """Start the agent of spec node ``node`` (2 workers) in the elastic job at 127.0.0.1:``port``."""
+def agent(node: str, port: int, d: Path, steps: int, ckpt_every: int, data_dir: str, host: bool, spec=SPEC,
+          extra=(), max_restarts: int = 3) -> Agent:
+    """Start the agent of spec node ``node`` (2 workers) in the elastic job at 127.0.0.1:``port``; ``extra``: more
+    arguments for the GPT script."""
     cmd = [sys.executable, "-m", "whale.cli", "launch", "-n", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", "3",
-           "--rdzv-conf", f"{RDZV_CONF},is_host={int(host)}", "--cluster", str(SPEC), "--node-name", node,
-           *job_args(d, steps, ckpt_every, data_dir)]
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", str(max_restarts),
+           "--rdzv-conf", f"{RDZV_CONF},is_host={int(host)}", "--cluster", str(spec), "--node-name", node,
+           *job_args(d, steps, ckpt_every, data_dir), *extra]
     return Agent(cmd, node)
 
 
@@ -130,18 +133,70 @@ def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int, data_dir:
 
 
 def reference_run(d: Path, steps: int, ckpt_every: int, switch_at: int, data_dir: str, order=("a", "b"),
-                  timeout: float = 600) -> dict:
+                  timeout: float = 600, after=("a",)) -> dict:
     """The same job without failure: world 4 (both nodes, ranks numbered in node ``order``, as the elastic run's
-    rendezvous numbered them) to step ``switch_at`` (a checkpoint), then world 2 on node a from that checkpoint to
-    ``steps``. Returns the two exit codes and logs."""
+    rendezvous numbered them) to step ``switch_at`` (a checkpoint), then the nodes ``after`` (default: node a,
+    world 2) from that checkpoint to ``steps``. Returns the two exit codes and logs (``rc4``/``log4`` the first
+    phase, ``rc2``/``log2`` the second, whatever their world sizes)."""
+    first, second = phases_run(d, steps, ckpt_every, data_dir, [(tuple(order), switch_at), (tuple(after), None)],
+                               timeout)
+    return {"rc4": first[0], "rc2": second[0], "log4": first[1], "log2": second[1]}
+
+
+def phases_run(d: Path, steps: int, ckpt_every: int, data_dir: str, phases, timeout: float = 600) -> list:
+    """A run without failure through fixed memberships: each phase ``(nodes, stop_after)`` trains on those spec
+    nodes (ranks numbered in that order; ``stop_after`` None: to ``steps``) from the previous phase's checkpoint.
+    Returns ``[(exit code, log)]`` by phase; stops at the first failing phase."""
     spec = ClusterSpec.from_yaml(SPEC)
     nodes = {n.name: n for n in spec.nodes}
     d.mkdir(parents=True, exist_ok=True)
-    (d / "spec.yaml").write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in order)).to_yaml())
-    launch = [sys.executable, "-m", "whale.cli", "launch", "--cluster", str(d / "spec.yaml")]
-    first = Agent([*launch, "-n", "4", *job_args(d, steps, ckpt_every, data_dir), "--stop-after", str(switch_at)],
-                  "ref4")
-    rc4 = first.wait(timeout)
-    second = Agent([*launch, "-n", "2", "--node-name", "a", *job_args(d, steps, ckpt_every, data_dir)], "ref2")
-    rc2 = second.wait(timeout)
-    return {"rc4": rc4, "rc2": rc2, "log4": first.text(), "log2": second.text()}
+    out = []
+    for i, (names, stop_after) in enumerate(phases):
+        launch = [sys.executable, "-m", "whale.cli", "launch", "-n", str(2 * len(names))]
+        if len(names) == 1:  # one node: the full spec cut to it by WHALE_NODE
+            launch += ["--cluster", str(SPEC), "--node-name", names[0]]
+        else:
+            (d / f"spec{i}.yaml").write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in names)).to_yaml())
+            launch += ["--cluster", str(d / f"spec{i}.yaml")]
+        stop = ["--stop-after", str(stop_after)] if stop_after is not None else []
+        job = Agent([*launch, *job_args(d, steps, ckpt_every, data_dir), *stop], f"phase{i}")
+        out.append((job.wait(timeout), job.text()))
+        if out[-1][0] != 0:
+            break
+    return out
+
+
+def _merged(*agents: Agent) -> list[tuple[float, str]]:
+    return sorted(x for a in agents for x in a.lines)
+
+
+def rejoin_run(d: Path, steps: int, ckpt_every: int, join_after: int, data_dir: str, timeout: float = 600) -> dict:
+    """Node a alone (world 2) until rank 0 logs step ``join_after``, then node b's agent starts: torchrun restarts
+    a's healthy group (SIGTERM: a's workers checkpoint after the current step) and re-forms it at world 4. Returns
+    both exit codes and logs, ``stopped_at`` (the step a's workers checkpointed on SIGTERM), ``resumed_from``,
+    ``order`` (world 4's nodes in rank order) and ``rejoin_s``: b's agent start to the first step logged at world 4."""
+    port = free_port()
+    a = agent("a", port, d, steps, ckpt_every, data_dir, host=True)
+    b, joined_at, last, deadline = None, None, None, time.monotonic() + timeout
+    while time.monotonic() < deadline and a.proc.poll() is None:
+        done = _steps(a.lines)
+        if b is None and done and done[-1][1] >= join_after:
+            joined_at, last = time.monotonic(), done[-1][1]
+            b = agent("b", port, d, steps, ckpt_every, data_dir, host=False)
+        time.sleep(0.01)
+    rc_a = a.wait(max(1.0, deadline - time.monotonic()))
+    rc_b = b.wait(max(10.0, deadline - time.monotonic())) if b is not None else None
+    out = {"rc_a": rc_a, "rc_b": rc_b, "log_a": a.text(), "log_b": b.text() if b else "", "joined": b is not None}
+    if b is None:
+        return out
+    lines = _merged(a, b)
+    stop = re.search(r"elastic: SIGTERM: stopped after step (\d+)", out["log_a"])
+    res = [(t, int(m.group(1))) for t, line in lines
+           if t > joined_at and (m := re.search(r"resumed (?:after a restart )?from .* at step (\d+)", line))]
+    after = [t for t, _ in _steps([x for x in lines if res and x[0] >= res[0][0]])]
+    out.update(stopped_at=int(stop.group(1)) if stop else None, resumed_from=res[0][1] if res else None,
+               order=["b", "a"] if "Whale plan: 4 rank(s)" in out["log_b"] else ["a", "b"],
+               last_before_join=last,
+               rejoin_s=(after[0] - joined_at) if after else None,
+               timeline=[(round(t - joined_at, 2), line.rstrip()) for t, line in lines if t >= joined_at])
+    return out

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import whale as wh
 from examples.gpt.data import TokenBatches
-from whale.runtime import ckpt_runs, elastic
+from whale.planner.balance import InfeasiblePlanError
+from whale.runtime import ckpt_runs, elastic, failures
 
 
 def add_resume_args(p) -> None:
@@ -74,3 +75,23 @@ def note_membership(ctx, state: dict) -> None:
     if note and ctx.rank == 0:
         print(f"elastic: {note}", flush=True)
     state["membership"] = now
+
+
+def add_elastic_args(a) -> None:
+    """``--wait-for-nodes SECONDS`` (``a`` is ``add_argument``): how long an elastic job whose nodes cannot hold the
+    model waits for another node to join before it stops with the planner's error."""
+    a("--wait-for-nodes", type=float, default=300.0, metavar="SECONDS",
+      help="elastic job (whale launch --nnodes MIN:MAX) whose nodes cannot hold the model, fewer than MAX present: "
+           "print the error, then wait this long in all for a node to join (torchrun re-forms the group and the job "
+           "re-plans) before exiting non-zero with the error (0: exit at once)")
+
+
+def wait_or_raise(exc: InfeasiblePlanError, args, ctx) -> None:
+    """The nodes present cannot hold the model: in an elastic job that may still grow, print the error on every
+    rank and wait (:func:`whale.runtime.elastic.wait_for_nodes`; torchrun's restart on a join ends the wait); then,
+    or at once when no node can join, raise: ``exc`` itself, or after the deadline a PlanError naming it."""
+    if elastic.nodes_short() is None or args.wait_for_nodes <= 0:
+        raise exc
+    failures.report_error(exc, traceback=False)
+    if elastic.wait_for_nodes(str(exc), args.wait_for_nodes, ctx.rank, ctx.world_size):
+        raise wh.PlanError(f"no node joined within --wait-for-nodes {args.wait_for_nodes:g} s; {exc}") from None

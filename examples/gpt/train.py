@@ -47,13 +47,22 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.gpt.moe import add_moe_args, model_config, moe_loss_fn  # noqa: E402
 from examples.gpt.pipeline_flags import add_schedule_args, check_schedule_args  # noqa: E402
 from examples.gpt.predicted import add_prediction_args, prediction_report  # noqa: E402
-from examples.gpt.runs import add_resume_args, finished_summary, maybe_resume, note_membership  # noqa: E402
+from examples.gpt.runs import (  # noqa: E402
+    add_elastic_args,
+    add_resume_args,
+    finished_summary,
+    maybe_resume,
+    note_membership,
+    wait_or_raise,
+)
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
 from examples.gpt.tensor_parallel import add_split_args, split_blocks  # noqa: E402 - registers the block rule
 from whale.parallel.zero import held_gradient_bytes, state_bytes  # noqa: E402
 from whale.plan.schedule import schedule_bubble  # noqa: E402
+from whale.planner.balance import InfeasiblePlanError  # noqa: E402
+from whale.runtime import elastic, graceful  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "measured save cost, see --max-lost-seconds)")
     add_adaptive_args(a)
     add_resume_args(p)
+    add_elastic_args(a)
     a("--timeout", type=float, default=None,
       help="seconds a collective waits for a dead or failed peer before every rank stops (Config.timeout_s)")
     a("--log-every", type=one, default=25, help="log line every N steps when not showing a progress bar")
@@ -186,8 +196,10 @@ def save(engine: wh.Engine, args, step: int, batches: TokenBatches, state: dict)
     engine.save_checkpoint(args.ckpt_dir, extra={"step": step, "data": batches.state_dict(), **state})
 
 
-def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict, scalars: Scalars) -> dict:
-    """Run steps ``start..end-1``; returns ``state`` with val losses, train losses, throughput and times."""
+def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: dict, scalars: Scalars,
+               stop: graceful.GracefulStop | None = None) -> dict:
+    """Run steps ``start..end-1``; returns ``state`` with val losses, train losses, throughput and times. With
+    ``stop`` (an elastic job), a SIGTERM on any rank ends the run after the current step with a checkpoint."""
     rank0 = engine.rank == 0
     tokens_per_step = args.batch_size * args.seq_len
     plain = args.no_progress or not sys.stderr.isatty()  # a log file gets log lines, not bar redraws
@@ -226,8 +238,13 @@ def train_loop(engine, args, batches, val_tokens, start: int, end: int, state: d
             if rank0:
                 bar.write(f"step {done}: held-out loss {v:.4f} (train loss {m['loss']:.4f})")
         adapt.after_step(done, m)
-        if adapt.save_due(done, end):
+        saved = adapt.save_due(done, end)
+        if saved:
             adapt.timed_save(lambda: save(engine, args, done, batches, state), done)  # noqa: B023 - called now
+        if stop is not None and done != end and stop.requested():  # torchrun restarts the group (a node joined)
+            if not saved:
+                save(engine, args, done, batches, state)
+            stop.exit(f"elastic: SIGTERM: stopped after step {done} with a checkpoint" if rank0 else None)
     bar.close()
     state["adaptive"] = adapt.record
     return state
@@ -295,7 +312,10 @@ def run(argv: list[str] | None = None) -> None:
                             sequence_parallel=args.sequence_parallel))
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
-    cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
+    try:
+        cfg, engine = build(args, ctx, sample_batch=batches.batch(0))
+    except InfeasiblePlanError as exc:  # an elastic job that may still grow waits for a node to join
+        wait_or_raise(exc, args, ctx)
     val_tokens = load_tokens(paths["val"])
     start, state = maybe_resume(engine, args, batches)
     note_membership(ctx, state)  # an elastic job: the nodes present, and what changed since the checkpoint
@@ -341,7 +361,8 @@ def train(engine, args, batches, val_tokens, start: int, state: dict, scalars: S
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     if start == 0:
         scalars.eval(0, state["val0"])
-    state.update(train_loop(engine, args, batches, val_tokens, start, end, state, scalars))
+    with graceful.on_sigterm(bool(os.environ.get(elastic.NNODES_ENV))) as stop:
+        state.update(train_loop(engine, args, batches, val_tokens, start, end, state, scalars, stop))
     state["steps_done"] = end
     save(engine, args, end, batches, state)
     return end

@@ -10,13 +10,25 @@ as it would for any other, and a checkpoint from the old plan reshards into the 
 (:mod:`whale.runtime.checkpoint`). :func:`membership` / :func:`change_note` record the nodes in a checkpoint's
 ``extra`` and say, after a restart, what changed ("world 4 -> 2: node b (2x P100-16GB) left; re-planned").
 
-Pure functions except :func:`gather_nodes` and :func:`resolve` (collective over the world group).
+Re-expansion (a node joins): torchrun's agent restarts a healthy worker group when the rendezvous has nodes on
+its wait list. Two settings make that work with the c10d backend (:func:`agent_env`, :func:`check_keep_alive`):
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with the shared store, an agent that was rank 0 of an earlier round reuses
+its old bootstrap info and never publishes ``MASTER_ADDR`` for the new round, so the joining agent waits 60 s and
+both fail), and ``keep_alive_max_attempt >= 3`` (an agent refreshes its heartbeat only about every 1-2 intervals; at
+2 a live agent looks dead to a joining one, which then forms a rendezvous of its own). A job whose nodes cannot hold
+the model waits for more (:func:`wait_for_nodes`) while fewer than the maximum are present.
+
+Pure functions except :func:`gather_nodes` and :func:`resolve` (collective over the world group) and
+:func:`wait_for_nodes` (sleeps).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -24,10 +36,108 @@ import torch.distributed as dist
 
 from whale.cluster import ClusterError, ClusterSpec, NodeSpec
 
-__all__ = ["NODE_ENV", "node_name", "present_cluster", "gather_nodes", "resolve", "membership", "change_note"]
+__all__ = ["NODE_ENV", "NNODES_ENV", "agent_env", "check_keep_alive", "nodes_short", "wait_for_nodes",
+           "node_name", "present_cluster", "gather_nodes", "resolve", "membership", "change_note"]
 
 NODE_ENV = "WHALE_NODE"
 """Environment variable naming the spec node this agent's workers run on (``whale launch --node-name NAME``)."""
+
+NNODES_ENV = "WHALE_NNODES"
+"""``MIN:MAX`` of an elastic ``whale launch --nnodes MIN:MAX`` (MIN < MAX), exported to the workers."""
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def check_keep_alive(rdzv_conf: str | None) -> None:
+    """Refuse ``keep_alive_max_attempt < 3`` in ``--rdzv-conf`` (``"k=v,k=v"``): torchrun refreshes an agent's
+    heartbeat only when it is at least ``keep_alive_interval`` old, on a timer of that period, so a live agent's
+    heartbeat is up to ~2 intervals old; it expires after ``interval x max_attempt``.
+
+    Raises:
+        ValueError: naming the value, the limit and the fix.
+    """
+    conf = dict(kv.split("=", 1) for kv in (rdzv_conf or "").split(",") if "=" in kv)
+    attempts = conf.get("keep_alive_max_attempt", "3")
+    if attempts.isdigit() and int(attempts) < 3:
+        raise ValueError(f"--rdzv-conf keep_alive_max_attempt={attempts}: an elastic job needs >= 3 (a live agent's "
+                         f"heartbeat can be 2 keep_alive_interval old, so a joining node would drop it and "
+                         f"rendezvous alone); use keep_alive_max_attempt=4")
+
+
+def agent_env(nnodes, rdzv_backend: str | None, rdzv_conf: str | None, base=None) -> dict[str, str]:
+    """What an elastic agent (``--rdzv-backend`` with ``--nnodes MIN:MAX``, MIN < MAX) adds to its environment:
+    ``WHALE_NNODES=MIN:MAX`` for the workers and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless ``base``, default
+    ``os.environ``, sets it) so that a re-expanded round publishes its master address. ``{}`` otherwise.
+
+    Raises:
+        ValueError: :func:`check_keep_alive`.
+    """
+    parts = str(nnodes or "").split(":")
+    if rdzv_backend is None or len(parts) != 2 or parts[0] == parts[1]:
+        return {}
+    check_keep_alive(rdzv_conf)
+    env = {NNODES_ENV: f"{parts[0]}:{parts[1]}"}
+    if SHARE_STORE_ENV not in (os.environ if base is None else base):
+        env[SHARE_STORE_ENV] = "1"
+    return env
+
+
+def nodes_short() -> tuple[int, int] | None:
+    """``(nodes present, MAX)`` when this worker belongs to an elastic job with fewer than ``MAX`` nodes present
+    (``WHALE_NNODES`` and torchrun's ``GROUP_WORLD_SIZE``), else ``None`` (no node can join)."""
+    spec, present = os.environ.get(NNODES_ENV, ""), os.environ.get("GROUP_WORLD_SIZE", "")
+    if ":" not in spec or not present.isdigit():
+        return None
+    high = int(spec.split(":")[1])
+    return (int(present), high) if int(present) < high else None
+
+
+def _waited_s(world: int) -> float:
+    """Seconds this launcher's workers have already waited at this world size (a file in ``WHALE_ERROR_DIR``,
+    which outlives the worker group's restarts; a new world restarts the clock). 0 without the folder."""
+    folder = os.environ.get("WHALE_ERROR_DIR")
+    if not folder:
+        return 0.0
+    path = os.path.join(folder, ".waiting-for-nodes.json")
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("world") == world:
+            return max(0.0, time.time() - float(old["since"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"world": world, "since": time.time()}, f)
+    os.replace(tmp, path)
+    return 0.0
+
+
+def wait_for_nodes(reason: str, timeout_s: float, rank: int, world: int, poll_s: float = 1.0) -> bool:
+    """Keep this worker alive while an elastic job waits for a node to join: torchrun's agent sees the joining node
+    on the rendezvous wait list and restarts the worker group (SIGTERM ends this wait) on the larger world.
+
+    Args:
+        reason: why the nodes present are not enough (the planner's error, naming the shortfall).
+        timeout_s: seconds to wait in all, counted across the worker group's restarts at this world size.
+        rank, world: this worker's global rank and the world size (rank 0 prints the waiting line).
+        poll_s: seconds between two checks of the deadline.
+
+    Returns:
+        ``False`` at once when no node can join (not elastic, or the maximum is present) or ``timeout_s`` is 0;
+        ``True`` when the deadline passed with no node joining (the caller exits non-zero with ``reason``).
+    """
+    short = nodes_short()
+    if short is None or timeout_s <= 0:
+        return False
+    left = timeout_s - _waited_s(world)
+    if rank == 0:
+        print(f"elastic: waiting up to {max(left, 0):.0f} s for more nodes ({short[0]} of at most {short[1]} "
+              f"present; the job re-plans when one joins): {reason}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + left
+    while time.monotonic() < deadline:
+        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0)))
+    return True
 
 
 def node_name(spec: ClusterSpec, index: int) -> str:

@@ -235,6 +235,10 @@ def launch(
     args = torchrun_args(nproc, script, script_args, **rdzv)
     _check_script(script)
     env = worker_env(cluster=cluster, threads=threads, node=node)
+    try:  # an elastic agent: the workers learn MIN:MAX; a re-expanded round publishes its master address
+        env.update(elastic.agent_env(rdzv.get("nnodes"), rdzv.get("rdzv_backend"), rdzv.get("rdzv_conf"), env))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     if cluster is not None and node is not None:
         check_node_size(cluster, node, nproc)
     elif cluster is not None:
