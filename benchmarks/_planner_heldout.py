@@ -14,6 +14,10 @@ rank's step time. Predicted = :func:`whale.planner.steptime.simulate.predict` of
 (:func:`whale.planner.steptime.simulate.speed_factors`), never a factor measured
 in the scored run. The calibration used is the machine's (unit types timed alone, cached) and each model's own
 engine fit (:func:`whale.frontend.simcost.model_costs`, its own 2-rank runs on no emulated cluster), no scored run.
+Before predicting, what the machine's cache lacks is measured (:func:`whale.calibration.measure.calibration`:
+the unit types alone, as the plan runs them: under CPU autocast for bf16/fp16, under the checkpoint wrapper when
+checkpointed; local gloo; the machine's and the model's engine fits from their own runs), never a step of a
+scored run: a fresh machine then predicts as a calibrated one.
 A run that fails to run or to predict stays in the table with its error and makes the goal not met.
 
 Keys: ``sim_heldout_median_abs_rel_error`` (goal <= 0.10), ``sim_heldout_max_abs_rel_error`` (goal <= 0.20),
@@ -139,6 +143,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
 
 def predict_declared(name: str, plan_json: str, cores: float) -> float:
     """Predicted step seconds of a run's plan with the declared device speeds (``factors=None``)."""
+    from whale.calibration.measure import calibration
     from whale.cluster import ClusterSpec
     from whale.frontend.hwplan import sample_rows
     from whale.frontend.simcost import model_costs
@@ -147,6 +152,8 @@ def predict_declared(name: str, plan_json: str, cores: float) -> float:
 
     model, batch, loss = build(name)
     plan = Plan.from_json(plan_json)
+    # what the cache lacks, measured first: unit types alone as the plan runs them, local gloo, the engine fits
+    calibration(model, batch, loss, precision=plan.precision, checkpointed=tuple(plan.activation_checkpoint))
     costs, mems, calib = model_costs(model, plan, batch, loss)
     cluster = ClusterSpec.from_yaml(CLUSTERS[HELDOUT[name][5]])
     return predict(plan, costs, cluster, calib, sample_rows(batch), mems, cores, None).to_dict()["step_s"]

@@ -31,7 +31,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from whale.frontend.hwplan import profile, sample_rows
-from whale.frontend.unit_keys import capture_unit_inputs, cut_rows, keys_of, rows_of
+from whale.frontend.memplan import _inside
+from whale.frontend.unit_keys import capture_unit_inputs, cut_rows, keys_of, rows_of, variant_keys
+from whale.memory.checkpointing import _Checkpointed
 from whale.memory.tracker import StorageTracker
 from whale.planner.calibration_cache import UnitTiming
 
@@ -113,28 +115,51 @@ def _fit(rows: list[int], times: list[tuple[float, float]], fwd_flops: float, bw
 
 
 def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16, repeats: int = 7,
-                    known: dict | None = None,
-                    tracked: bool = False) -> tuple[dict[str, UnitTiming], dict[str, str]]:
+                    known: dict | None = None, tracked: bool = False, precision: str = "fp32",
+                    checkpointed: tuple[str, ...] = ()) -> tuple[dict[str, UnitTiming], dict[str, str]]:
     """Time every unit type of ``model`` not in ``known`` (forward and backward at ``rows // 4``, ``rows // 2``
     and ``rows`` rows, a least-squares line through them); returns ``(timings by key, key by unit name)``.
     With ``tracked`` the units are timed under the CPU memory tracker (:class:`whale.memory.tracker.StorageTracker`,
     on by default under emulation: it sees every operation) and the keys end in ``|tracked``. The model's
-    gradients are cleared afterwards."""
+    gradients are cleared afterwards. ``precision`` ``"bf16"``/``"fp16"``: every unit's forward runs under CPU
+    autocast of that dtype, as :mod:`whale.runtime.precision` runs it (its backward follows the low-precision
+    graph); ``checkpointed`` (module FQNs): the units inside them run under the runtime's checkpoint wrapper
+    (:class:`whale.memory.checkpointing._Checkpointed`), so their backward holds the recompute and the wrapper's
+    fixed cost. Keys then carry the variant (:func:`whale.frontend.unit_keys.variant_keys`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (and thread CPU time sees only this thread)
     try:
-        return _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked)
+        return _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked, precision,
+                                checkpointed)
     finally:
         torch.set_num_threads(threads)
 
 
-def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked):
+def _variant(fn, module: nn.Module, precision: str, checkpointed: bool):
+    """``fn`` as the runtime runs the unit: under CPU autocast (``precision`` not fp32), under the checkpoint
+    wrapper (``checkpointed``)."""
+    if checkpointed:
+        fn = _Checkpointed(fn, module)
+    if precision == "fp32":
+        return fn
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+    def run(*args, **kwargs):
+        """``fn`` under autocast."""
+        with torch.autocast("cpu", dtype=dtype):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked, precision="fp32",
+                     checkpointed=()):
     full = sample_rows(sample_batch)
     rows = max(2, min(rows, full))
     prof = profile(model, sample_batch, rows=2, loss_fn=loss_fn)
     names = [u.name for u in prof.units]
     seen = capture_unit_inputs(model, names, rows_of(sample_batch[0], rows, full))
-    keys = keys_of(model, names, seen, loss_fn, tracked)
+    keys = variant_keys(keys_of(model, names, seen, loss_fn, tracked), precision, checkpointed)
     target = cut_rows(sample_batch[1], rows, full)
     timings: dict[str, UnitTiming] = {}
     counts = sorted({max(1, rows // 4), max(1, rows // 2), rows})
@@ -148,7 +173,8 @@ def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked
             fn, args = (lambda out, tgt: loss_fn(out, tgt)), (seen["<output>"][0][0], target)
             kwargs: dict = {}
         else:
-            fn, (args, kwargs) = model.get_submodule(u.name), seen[u.name]
+            mod, (args, kwargs) = model.get_submodule(u.name), seen[u.name]
+            fn = _variant(mod, mod, precision, _inside(u.name, checkpointed))
         with StorageTracker() if tracked else contextlib.nullcontext():
             times = [_time_call(fn, *rows_of((args, kwargs), r, rows), repeats) for r in counts]
         timings[key] = _fit(counts, times, u.forward_flops, u.backward_flops)

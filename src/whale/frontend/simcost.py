@@ -14,17 +14,20 @@ from torch import nn
 import whale.frontend.hwplan as hwplan
 import whale.frontend.memplan as memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
-from whale.frontend.unit_keys import unit_keys
+from whale.frontend.unit_keys import unit_keys, variant_keys
 from whale.plan.plan import Plan
 from whale.planner import calibration_cache as cal
 from whale.planner.calibration_cache import Calibration, UnitTiming
 from whale.planner.steptime.simulate import StageCost
 
 
-def _timing(u: UnitProfile, key: str | None, calib: Calibration) -> UnitTiming:
-    """The unit's calibrated timing; a unit type never measured costs its FLOPs at the best measured speed."""
-    if key in calib.units:
-        return calib.units[key]
+def _timing(u: UnitProfile, key: str | None, calib: Calibration, base: str | None = None) -> UnitTiming:
+    """The unit's calibrated timing under ``key`` (its variant, :func:`whale.frontend.unit_keys.variant_keys`),
+    else under ``base`` (its fp32 key, not checkpointed); a unit type never measured costs its FLOPs at the best
+    measured speed."""
+    for k in (key, base):
+        if k in calib.units:
+            return calib.units[k]
     spf = calib.best_seconds_per_flop() or 1e-10
     return UnitTiming(u.forward_flops * spf, u.backward_flops * spf)
 
@@ -61,15 +64,20 @@ def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[U
 def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str, str],
                 calib: Calibration) -> list[StageCost]:
     """One :class:`StageCost` per stage of ``plan`` from the profile and the calibration (``keys``: the
-    calibration key of each unit, :func:`whale.frontend.unit_keys.unit_keys`)."""
+    calibration key of each unit, :func:`whale.frontend.unit_keys.unit_keys`). Each unit costs its timing as
+    the plan runs it (:func:`whale.frontend.unit_keys.variant_keys`: under the plan's precision, under the
+    checkpoint wrapper when checkpointed) when calibrated, else its fp32 timing; a checkpointed unit timed
+    under the wrapper has its recompute in its backward already, one without it is charged its forward again
+    (``recompute_per_row``)."""
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
     mems = memplan.stage_memories(prof, model, params, plan.activation_checkpoint)
     targets = plan.activation_checkpoint or tuple(memplan.repeated_layers(model))
     out = []
+    vkeys = variant_keys(keys, plan.precision, plan.activation_checkpoint)
     for s, units in enumerate(stage_units(prof, plan, model)):
         split = tuple(name for name, _ in plan.split_targets(s))
-        t = [_timing(u, keys.get(u.name), calib) for u in units]
+        t = [_timing(u, vkeys.get(u.name), calib, keys.get(u.name)) for u in units]
         real = [u for u in units if u.name != "<rest>"]
         out.append(StageCost(
             fwd_per_row=sum(x.fwd_per_row for x in t), bwd_per_row=sum(x.bwd_per_row for x in t),
@@ -78,7 +86,7 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
             boundary_bytes=real[-1].output_bytes if real and s < plan.num_stages - 1 else 0.0,
             trainable_elements=mems[s].trainable_elements,
             recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
-                                  if memplan._inside(u.name, targets)),
+                                  if memplan._inside(u.name, targets) and vkeys.get(u.name) not in calib.units),
             **_split_bytes(real, split)))
     return out
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from whale.frontend.hwplan import sample_rows
+from whale.frontend.memplan import _inside
 from whale.frontend.profile import ModelProfile, default_units
 from whale.planner import calibration_cache as cal
 
@@ -60,6 +61,21 @@ def keys_of(model: nn.Module, names: list[str], seen: dict, loss_fn=None, tracke
         out[n] = cal.unit_key(type(mod), sum(p.numel() for p in mod.parameters()), shapes(seen.get(n, ((), {})))) + tail
     loss_type = type(loss_fn) if loss_fn is not None else type(None)
     out["<rest>"] = cal.unit_key(loss_type, 0, shapes(seen["<output>"])) + tail
+    return out
+
+
+def variant_keys(keys: dict[str, str], precision: str = "fp32", checkpointed: tuple[str, ...] = ()) -> dict[str, str]:
+    """The keys of ``keys`` (by unit name) for a unit timed as the plan runs it: ``|bf16`` / ``|fp16`` appended
+    under mixed precision (the unit's forward under CPU autocast, on this machine 1.5-2x slower than fp32),
+    ``|ckpt`` for a unit inside one of the ``checkpointed`` modules (timed under the runtime's checkpoint wrapper,
+    its backward then holding the recompute and the wrapper's fixed cost). The loss (``"<rest>"``) runs in fp32
+    outside autocast and is never checkpointed: its key stays."""
+    out = {}
+    for n, k in keys.items():
+        if n == "<rest>":
+            out[n] = k
+            continue
+        out[n] = k + (f"|{precision}" if precision != "fp32" else "") + ("|ckpt" if _inside(n, checkpointed) else "")
     return out
 
 
