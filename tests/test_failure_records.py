@@ -228,7 +228,8 @@ def test_a_genuine_timed_out_error_is_printed_first_and_named(tmp_path):
 @pytest.mark.slow
 def test_a_hung_rank_is_named_with_its_phase_within_the_timeout(tmp_path):
     """``whale launch -n 2 --timeout 5``: rank 0 hangs in its forward of step 3; the launcher names rank 0 and
-    that phase, and the job ends within timeout + 15 s of the hang (the reliability benchmark measures the real delay)."""
+    that phase, and the job ends within timeout + 15 s of the hang (the reliability benchmark measures the real
+    delay)."""
     (rc, log), = _run_launchers([["-n", "2", str(JOB), "--raise-rank", "0", "--raise-step", "2", "--timeout", "5",
                                   "--mode", "hang"]], tmp_path)
     end = time.time()
@@ -236,7 +237,8 @@ def test_a_hung_rank_is_named_with_its_phase_within_the_timeout(tmp_path):
     assert rc == 1, log
     assert re.search(r"FAILED: rank 0 stopped making progress at step 3, forward micro-batch 0 \(no progress for "
                      r"[\d.]+ s; at _raise_job.py:\d+ stall\)", log), log
-    assert end - hung < 5 + 15, (end - hung, log)  # bounded by the 5 s timeout, not the 600 s default; slack for a loaded host
+    # bounded by the 5 s timeout, not the 600 s default; slack for a loaded host
+    assert end - hung < 5 + 15, (end - hung, log)
 
 
 @pytest.mark.slow

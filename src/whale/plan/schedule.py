@@ -353,7 +353,6 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
              for s in range(p)]
     split = [any(a.kind == "W" for a in acts) for acts in schedule]
-    share = (lambda s, a: None) if chunk_shares is None else (lambda s, a: chunk_shares[s][a.chunk])  # noqa: E731
     finish: dict[tuple[int, int, str, int], float] = {}  # (virtual stage, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []
