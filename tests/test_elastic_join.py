@@ -72,7 +72,7 @@ def test_rejoin_replans_at_world_4_with_no_step_lost_and_matches_the_reference(t
     """Node a alone (world 2); node b's agent starts after step 6: a's workers checkpoint after their current step
     on torchrun's SIGTERM, the group re-forms at world 4 and resumes from that very step; the losses equal a run
     that trains world 2 to that step and world 4 from there (same rank order), so data position and RNG resumed."""
-    steps = 120
+    steps = 300  # node a alone must still be training when b (tens of seconds of start-up on a loaded host) joins
     run = ea.rejoin_run(tmp_path / "elastic", steps, 0, join_after=6, data_dir=DATA)
     log = run["log_a"] + run["log_b"]
     assert run["joined"] and run["rc_a"] == 0 and run["rc_b"] == 0, log[-3000:]
