@@ -170,19 +170,47 @@ def _merged(*agents: Agent) -> list[tuple[float, str]]:
     return sorted(x for a in agents for x in a.lines)
 
 
-def rejoin_run(d: Path, steps: int, ckpt_every: int, join_after: int, data_dir: str, timeout: float = 600) -> dict:
+RESTART_LINE = "closing signal"
+"""What torchrun's agent logs (a warning) as it sends SIGTERM to each worker of a group it stops or restarts."""
+
+
+def signal_workers(a: Agent, sig: int) -> None:
+    """Send ``sig`` to every worker of agent ``a`` (the agent runs torchrun in-process: its children)."""
+    out = subprocess.run(["pgrep", "-P", str(a.proc.pid)], capture_output=True, text=True).stdout
+    for pid in [int(x) for x in out.split()]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def rejoin_run(d: Path, steps: int, ckpt_every: int, join_after: int, data_dir: str, timeout: float = 600,
+               pause: bool = True, pause_limit: float = 120.0) -> dict:
     """Node a alone (world 2) until rank 0 logs step ``join_after``, then node b's agent starts: torchrun restarts
     a's healthy group (SIGTERM: a's workers checkpoint after the current step) and re-forms it at world 4. Returns
     both exit codes and logs, ``stopped_at`` (the step a's workers checkpointed on SIGTERM), ``resumed_from``,
-    ``order`` (world 4's nodes in rank order) and ``rejoin_s``: b's agent start to the first step logged at world 4."""
+    ``order`` (world 4's nodes in rank order) and ``rejoin_s``: b's agent start to the first step logged at world 4.
+
+    ``pause``: a's workers are stopped (SIGSTOP) from the moment b's agent starts until a's agent logs that it is
+    signalling them (:data:`RESTART_LINE`), or ``pause_limit`` seconds, then continued (SIGCONT), so the join lands
+    mid-run however long b takes to start on a loaded host, and a short run suffices; the SIGTERM waits, pending,
+    until the workers run again, as it would for a node too busy to be scheduled. ``pause=False`` measures an
+    undisturbed rejoin (benchmarks/elastic.py): node a trains on while b starts."""
     port = free_port()
     a = agent("a", port, d, steps, ckpt_every, data_dir, host=True)
-    b, joined_at, last, deadline = None, None, None, time.monotonic() + timeout
+    b, joined_at, last, deadline, paused = None, None, None, time.monotonic() + timeout, False
     while time.monotonic() < deadline and a.proc.poll() is None:
         done = _steps(a.lines)
         if b is None and done and done[-1][1] >= join_after:
-            joined_at, last = time.monotonic(), done[-1][1]
+            if pause:
+                signal_workers(a, signal.SIGSTOP)
+                paused = True
+            joined_at, last = time.monotonic(), _steps(a.lines)[-1][1]
             b = agent("b", port, d, steps, ckpt_every, data_dir, host=False)
+        if paused and (time.monotonic() - joined_at > pause_limit
+                       or any(RESTART_LINE in line for t, line in a.lines if t >= joined_at)):
+            signal_workers(a, signal.SIGCONT)
+            paused = False
         time.sleep(0.01)
     rc_a = a.wait(max(1.0, deadline - time.monotonic()))
     rc_b = b.wait(max(10.0, deadline - time.monotonic())) if b is not None else None

@@ -178,29 +178,36 @@ def _env(tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both jobs started at once (one process; two ranks under ``whale launch``), in a scratch directory that
-    sees the repository's examples/ and benchmarks/."""
+    """Starts a docs job on first request (``one``: one process; ``launched``: two ranks under ``whale launch``), in a
+    scratch directory that sees the repository's examples/ and benchmarks/. Each test asks only for its own job:
+    the two tests usually run in different pytest-xdist workers, each with its own module fixture, and a fixture
+    that started both jobs ran every block twice."""
     tmp = tmp_path_factory.mktemp("docs")
     for name in ("examples", "benchmarks", "data"):
         if (ROOT / name).exists():
             (tmp / name).symlink_to(ROOT / name)
     one, launched, _ = plan_runs()
+    todos = {"one": (one, [sys.executable]),
+             "launched": (launched, [str(Path(sys.executable).parent / "whale"), "launch", "-n", "2"])}
     jobs = {}
-    for name, todo, argv in [("one", one, [sys.executable]),
-                             ("launched", launched, [str(Path(sys.executable).parent / "whale"), "launch", "-n", "2"])]:
-        (tmp / f"{name}.json").write_text(json.dumps(todo))
-        jobs[name] = (todo, subprocess.Popen([*argv, str(RUNNER), str(tmp / f"{name}.json"),
-                                              str(tmp / f"{name}_results.json")], cwd=tmp, env=_env(tmp),
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    yield tmp, jobs
+
+    def start(name: str):
+        if name not in jobs:
+            todo, argv = todos[name]
+            (tmp / f"{name}.json").write_text(json.dumps(todo))
+            jobs[name] = (todo, subprocess.Popen([*argv, str(RUNNER), str(tmp / f"{name}.json"),
+                                                  str(tmp / f"{name}_results.json")], cwd=tmp, env=_env(tmp),
+                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return tmp, jobs[name]
+
+    yield start
     for _, proc in jobs.values():
         if proc.poll() is None:
             proc.kill()
 
 
 def _results(runs, name: str, timeout: float) -> list[dict]:
-    tmp, jobs = runs
-    todo, proc = jobs[name]
+    tmp, (todo, proc) = runs(name)
     try:
         output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
