@@ -43,10 +43,8 @@ def calibration(model: nn.Module | None = None, sample_batch=None, loss_fn=None,
     vkeys = variant_keys(keys, precision, checkpointed) if keys is not None else None
     missing = vkeys is None or any(k not in calib.units for n, k in vkeys.items() if n != "<rest>" or loss_fn)
     if model is not None and sample_batch is not None and missing:
-        progress(f"timing the layer-unit types of {type(model).__name__} not cached yet, forward and backward at "
-                 "3 row counts (seconds)")
         timings, _ = calibrate_units(model, sample_batch, loss_fn, rows, known=calib.units, tracked=tracked,
-                                     precision=precision, checkpointed=checkpointed)
+                                     precision=precision, checkpointed=checkpointed, progress=progress)
         if timings:
             calib, changed = calib.with_units(timings), True
     if comm and measure_engine and model is not None and sample_batch is not None:

@@ -116,7 +116,7 @@ def _fit(rows: list[int], times: list[tuple[float, float]], fwd_flops: float, bw
 
 def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16, repeats: int = 7,
                     known: dict | None = None, tracked: bool = False, precision: str = "fp32",
-                    checkpointed: tuple[str, ...] = ()) -> tuple[dict[str, UnitTiming], dict[str, str]]:
+                    checkpointed: tuple[str, ...] = (), progress=None) -> tuple[dict[str, UnitTiming], dict[str, str]]:
     """Time every unit type of ``model`` not in ``known`` (forward and backward at ``rows // 4``, ``rows // 2``
     and ``rows`` rows, a least-squares line through them); returns ``(timings by key, key by unit name)``.
     With ``tracked`` the units are timed under the CPU memory tracker (:class:`whale.memory.tracker.StorageTracker`,
@@ -125,12 +125,13 @@ def calibrate_units(model: nn.Module, sample_batch, loss_fn=None, rows: int = 16
     autocast of that dtype, as :mod:`whale.runtime.precision` runs it (its backward follows the low-precision
     graph); ``checkpointed`` (module FQNs): the units inside them run under the runtime's checkpoint wrapper
     (:class:`whale.memory.checkpointing._Checkpointed`), so their backward holds the recompute and the wrapper's
-    fixed cost. Keys then carry the variant (:func:`whale.frontend.unit_keys.variant_keys`)."""
+    fixed cost. Keys then carry the variant (:func:`whale.frontend.unit_keys.variant_keys`). ``progress``
+    (a callable taking one line) is told how many types will be timed, only when some are not in ``known``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs (and thread CPU time sees only this thread)
     try:
         return _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked, precision,
-                                checkpointed)
+                                checkpointed, progress)
     finally:
         torch.set_num_threads(threads)
 
@@ -153,7 +154,7 @@ def _variant(fn, module: nn.Module, precision: str, checkpointed: bool):
 
 
 def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked, precision="fp32",
-                     checkpointed=()):
+                     checkpointed=(), progress=None):
     full = sample_rows(sample_batch)
     rows = max(2, min(rows, full))
     prof = profile(model, sample_batch, rows=2, loss_fn=loss_fn)
@@ -163,6 +164,10 @@ def _calibrate_units(model, sample_batch, loss_fn, rows, repeats, known, tracked
     target = cut_rows(sample_batch[1], rows, full)
     timings: dict[str, UnitTiming] = {}
     counts = sorted({max(1, rows // 4), max(1, rows // 2), rows})
+    todo = {keys[u.name] for u in prof.units if not (known and keys[u.name] in known)}
+    if todo and progress is not None:
+        progress(f"timing {len(todo)} layer-unit type(s) of {type(model).__name__} not cached yet, forward and "
+                 f"backward at {len(counts)} row counts (seconds)")
     for u in (*prof.units, prof.rest):
         key = keys[u.name]
         if key in timings or (known and key in known):
