@@ -141,7 +141,7 @@ def diffs(run_dir: Path, ref_dir: Path) -> tuple[float, float]:
 def rejoin_row(tmp: Path, i: int, steps: int, join_after: int, data_dir: str) -> dict:
     """One rejoin (``rejoin_run``, no periodic checkpoint) and its reference (``phases_run``: node a to the step
     the graceful stop saved, then world 4 in the same rank order); returns the run's numbers."""
-    run = ea.rejoin_run(tmp / f"join{i}", steps, 0, join_after, data_dir)
+    run = ea.rejoin_run(tmp / f"join{i}", steps, 0, join_after, data_dir, pause=False)  # node a trains on
     row = {"join_after_step": join_after, "rc_a": run["rc_a"], "rc_b": run["rc_b"], "joined": run["joined"],
            "last_before_join": run.get("last_before_join"), "stopped_at": run.get("stopped_at"),
            "resumed_from": run.get("resumed_from"), "rejoin_s": run.get("rejoin_s"), "order": run.get("order"),
