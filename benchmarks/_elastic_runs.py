@@ -2,25 +2,22 @@
 references, and the split of each recovery into parts read from the logs' arrival times.
 
 The agents, the reference runs and the rejoin run are tests/elastic_agents.py's (``agent``, ``reference_run``,
-``phases_run``, ``rejoin_run``). :func:`kill_run` is ``elastic_run`` with two more ways to time the kill and with
-the timestamped log kept (the recovery parts need it): after rank 0 logs a step, or while a checkpoint save is in
-flight, i.e. while the save's temporary directory ``ckpt/.tmp-step-N`` exists and ``ckpt/step-N`` does not
-(polled every ``poll_s``; both are checked just before the SIGKILL and again just after it, and the JSON says
-what was seen).
+``phases_run``, ``rejoin_run``). :func:`kill_run` is ``elastic_run`` (a kill after rank 0 logs a step, or while a
+checkpoint save is in flight: the save's temporary directory ``ckpt/.tmp-step-N`` exists and ``ckpt/step-N`` does
+not, checked just before the SIGKILL and again just after it, and the JSON says what was seen) with the recovery
+split into parts from the timestamped log.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 from tests import elastic_agents as ea
 from whale.runtime.checkpoint import read_model_state
-from whale.runtime.ckpt_store import step_name
 
-RESUMED = r"resumed (?:after a restart )?from .* at step (\d+)"
+RESUMED = ea.RESUMED
 KILL_PARTS = (  # (part, the log line that ends it); each searched after the previous part's end
     ("failure_detected_s", r"^error: \[rank \d+\]"),
     ("group_stopped_s", r"closing signal SIGTERM|failed \(exitcode"),
@@ -71,57 +68,17 @@ def split_parts(lines: list[tuple[float, str]], t0: float, parts) -> dict:
     return out
 
 
-def _ckpt_state(ckpt: Path, step: int) -> dict:
-    return {"tmp_exists": (ckpt / f".tmp-{step_name(step)}").exists(), "published": (ckpt / step_name(step)).exists()}
-
-
 def kill_run(d: Path, steps: int, every: int, data_dir: str, kill_after: int | None = None,
-             save_step: int | None = None, timeout: float = 600, poll_s: float = 0.002) -> dict:
-    """Two agents (b, then a hosting the store); agent b and its workers are SIGKILLed when rank 0 logs step
-    ``kill_after`` or, with ``save_step``, while the save of that step is in flight. Returns what
-    ``elastic_run`` returns plus ``trigger`` (how the kill was timed and what the checkpoint directory held just
-    before and after it), ``timeline`` (node a's lines from the kill on, seconds after it) and ``parts``."""
-    port = ea.free_port()
-    b = ea.agent("b", port, d, steps, every, data_dir, host=False)
-    a = ea.agent("a", port, d, steps, every, data_dir, host=True)
-    ckpt, deadline, killed_at, trigger, last = d / "ckpt", time.monotonic() + timeout, None, {}, None
-    while time.monotonic() < deadline and a.proc.poll() is None:
-        if killed_at is None:
-            done = ea._steps(a.lines + b.lines)
-            if save_step is not None:
-                before = _ckpt_state(ckpt, save_step)
-                fire = before["tmp_exists"] and not before["published"]
-                fire = fire or (done and done[-1][1] > save_step)  # the save was missed: kill anyway, and say so
-            else:
-                fire, before = bool(done and done[-1][1] >= kill_after), None
-            if fire:
-                b.kill()
-                killed_at, last = time.monotonic(), (done[-1][1] if done else 0)
-                if save_step is not None and before["tmp_exists"]:  # the save of a step follows the step on
-                    last = max(last, save_step)  # every rank; its log line may not have been read yet
-                trigger = {"kind": "during_save" if save_step is not None else "after_step_logged",
-                           "step": save_step if save_step is not None else kill_after}
-                if save_step is not None:
-                    trigger.update(before_kill=before, after_kill=_ckpt_state(ckpt, save_step))
-        time.sleep(poll_s if save_step is not None else 0.01)
-    rc = a.wait(max(1.0, deadline - time.monotonic()))
-    b.wait(10)
-    out = {"rc": rc, "log_a": a.text(), "log_b": b.text(), "killed": killed_at is not None, "trigger": trigger,
-           "order": ["b", "a"] if "Whale plan: 4 rank(s)" in b.text() else ["a", "b"]}
-    if killed_at is None:
+             save_step: int | None = None, timeout: float = 600) -> dict:
+    """:func:`tests.elastic_agents.elastic_run` (kill after rank 0 logs step ``kill_after``, or while the save of
+    ``save_step`` is in flight) plus ``timeline`` (node a's lines from the kill on, seconds after it) and the
+    recovery's ``parts``."""
+    out = ea.elastic_run(d, steps, every, kill_after, data_dir, timeout, save_step=save_step)
+    after = out.pop("after", None)
+    if after is None:
         return out
-    return {**out, **_after_kill(a.lines, killed_at, last)}
-
-
-def _after_kill(lines: list[tuple[float, str]], killed_at: float, last: int) -> dict:
-    """Resumed step, recovery seconds and its parts from node a's timestamped lines."""
-    after = [x for x in lines if x[0] > killed_at]
-    res = [(t, int(m.group(1))) for t, line in after if (m := re.search(RESUMED, line))]
-    first = [t for t, _ in ea._steps([x for x in after if res and x[0] >= res[0][0]])]
-    return {"last_before_kill": last, "resumed_from": res[0][1] if res else None,
-            "recovery_s": (first[0] - killed_at) if first else None, "parts": split_parts(after, killed_at,
-                                                                                         KILL_PARTS),
-            "timeline": [(round(t - killed_at, 2), line.rstrip()[:160]) for t, line in after][:60]}
+    return {**out, "parts": split_parts(after, 0.0, KILL_PARTS),
+            "timeline": [(round(t, 2), line.rstrip()[:160]) for t, line in after][:60]}
 
 
 def losses(d: Path) -> list[float]:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from whale.cluster import ClusterSpec
+from whale.runtime.ckpt_store import step_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples/clusters/v100_p100_elastic.yaml"
@@ -100,35 +101,66 @@ def agent(node: str, port: int, d: Path, steps: int, ckpt_every: int, data_dir: 
     return Agent(cmd, node)
 
 
+RESUMED = r"resumed (?:after a restart )?from .* at step (\d+)"
+"""A resumed job's line, with the step it resumed from."""
+
+
 def _steps(lines) -> list[tuple[float, int]]:
     return [(t, int(m.group(1))) for t, line in lines if (m := re.match(r"step (\d+)/", line))]
 
 
-def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int, data_dir: str, timeout: float = 600) -> dict:
-    """Two agents; when rank 0 logs step ``kill_after``, agent b is SIGKILLed. Returns the survivor's exit code,
-    both logs, the step resumed from, the last step logged before the kill, and the seconds from the kill to the
-    first step completed on the new world."""
+def _ckpt_state(ckpt: Path, step: int) -> dict:
+    """Whether the save of ``step`` is in flight (its temporary directory exists) and whether it is published."""
+    return {"tmp_exists": (ckpt / f".tmp-{step_name(step)}").exists(), "published": (ckpt / step_name(step)).exists()}
+
+
+def _kill_due(kill_after, save_step, ckpt: Path, done) -> tuple[bool, dict | None]:
+    """Whether to kill now, and (with ``save_step``) what the checkpoint directory holds."""
+    if save_step is None:
+        return bool(done and done[-1][1] >= kill_after), None
+    before = _ckpt_state(ckpt, save_step)
+    fire = before["tmp_exists"] and not before["published"]
+    return fire or bool(done and done[-1][1] > save_step), before  # a missed save: kill anyway, and say so
+
+
+def elastic_run(d: Path, steps: int, ckpt_every: int, kill_after: int | None, data_dir: str, timeout: float = 600,
+                save_step: int | None = None, poll_s: float = 0.002) -> dict:
+    """Two agents (b, then a hosting the store); agent b and its workers are SIGKILLed when rank 0 logs step
+    ``kill_after`` or, with ``save_step``, while the save of that step is in flight (its temporary directory
+    ``ckpt/.tmp-step-N`` exists and ``ckpt/step-N`` does not; polled every ``poll_s``). Returns the survivor's exit
+    code, both logs, ``trigger`` (how the kill was timed; with ``save_step`` what the checkpoint directory held
+    just before and just after the kill), the step resumed from, the last step logged before the kill, the seconds
+    from the kill to the first step completed on the new world (``recovery_s``) and node a's timestamped lines
+    from the kill on (``after``: (seconds after the kill, line))."""
     port = free_port()
     b = agent("b", port, d, steps, ckpt_every, data_dir, host=False)
     a = agent("a", port, d, steps, ckpt_every, data_dir, host=True)
-    deadline, killed_at = time.monotonic() + timeout, None
+    ckpt, deadline, killed_at, trigger, last = d / "ckpt", time.monotonic() + timeout, None, {}, None
     while time.monotonic() < deadline and a.proc.poll() is None:
-        done = _steps(a.lines + b.lines)
-        if killed_at is None and done and done[-1][1] >= kill_after:
-            b.kill()
-            killed_at, last = time.monotonic(), done[-1][1]
-        time.sleep(0.01)
+        if killed_at is None:
+            done = _steps(a.lines + b.lines)
+            fire, before = _kill_due(kill_after, save_step, ckpt, done)
+            if fire:
+                b.kill()
+                killed_at, last = time.monotonic(), (done[-1][1] if done else 0)
+                if before is not None and before["tmp_exists"]:  # the save of a step follows the step on every
+                    last = max(last, save_step)  # rank; its log line may not have been read yet
+                trigger = {"kind": "after_step_logged", "step": kill_after} if save_step is None else \
+                    {"kind": "during_save", "step": save_step, "before_kill": before,
+                     "after_kill": _ckpt_state(ckpt, save_step)}
+        time.sleep(poll_s if save_step is not None else 0.01)
     rc = a.wait(max(1.0, deadline - time.monotonic()))
     b.wait(10)
-    out = {"rc": rc, "log_a": a.text(), "log_b": b.text(), "killed": killed_at is not None,
+    out = {"rc": rc, "log_a": a.text(), "log_b": b.text(), "killed": killed_at is not None, "trigger": trigger,
            "order": ["b", "a"] if "Whale plan: 4 rank(s)" in b.text() else ["a", "b"]}  # rank 0's node first
     if killed_at is None:
         return out
-    m = re.search(r"resumed after a restart from .* at step (\d+)", out["log_a"])
-    resumed = [t for t, line in a.lines if t > killed_at and "resumed after a restart" in line]
-    after = [t for t, _ in _steps([x for x in a.lines if resumed and x[0] >= resumed[0]])]  # the new world's
-    out.update(last_before_kill=last, resumed_from=int(m.group(1)) if m else None,
-               recovery_s=(after[0] - killed_at) if after else None)
+    after = [x for x in a.lines if x[0] > killed_at]
+    res = [(t, int(m.group(1))) for t, line in after if (m := re.search(RESUMED, line))]
+    first = [t for t, _ in _steps([x for x in after if res and x[0] >= res[0][0]])]  # the new world's
+    out.update(last_before_kill=last, resumed_from=res[0][1] if res else None,
+               recovery_s=(first[0] - killed_at) if first else None,
+               after=[(t - killed_at, line) for t, line in after])
     return out
 
 
