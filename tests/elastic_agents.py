@@ -14,13 +14,13 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.ports import free_port
 from whale.cluster import ClusterSpec
 from whale.runtime.ckpt_store import step_name
 
@@ -33,13 +33,6 @@ GPT = ["--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-head", "2"
 RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4"
 """Rendezvous settings: a survivor waits 5 s for more nodes, a dead agent is dropped after 4 s of silence (at
 keep_alive_max_attempt=2 a live agent can look dead: whale launch refuses < 3)."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_args(d: Path, steps: int, ckpt_every: int, data_dir: str) -> list[str]:

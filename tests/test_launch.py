@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from whale import cli
 from whale.runtime import launch as launch_mod
 from whale.runtime.launch import LaunchError, launch, torchrun_args, torchrun_command, worker_env
@@ -268,13 +268,6 @@ def _whale() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "whale.cli"]
 
 
-def _free_port() -> int:
-    """A TCP port that was free on loopback a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher (torchrun stops its workers), then SIGKILL its process group."""
     if proc.poll() is None:
@@ -340,7 +333,7 @@ def test_e2e_two_nodes_on_loopback(tmp_path):
     """Two launchers as two nodes (static rendezvous on 127.0.0.1): world 2, both see the sum 3."""
     spec = tmp_path / "cluster.yaml"
     spec.write_text("nodes: [{devices: [V100-32GB]}, {devices: [V100-32GB]}]\n")
-    port = str(_free_port())
+    port = str(free_port())
     argvs = [
         ["-n", "1", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
          "--master-port", port, "--cluster", str(spec), str(PROBE), str(tmp_path), "--node", str(rank)]
