@@ -34,15 +34,21 @@ class Stage(nn.Module):
     """Blocks, a LayerNorm, optionally a tied reuse of the first layer, an output of parameters only, a
     checkpointed block; returns ``(h, extra)``, ``extra`` from the side input (``[B, d]``) and parameters."""
 
-    def __init__(self, d: int = 8, tied: bool = False, param_only: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, d: int = 8, tied: bool = False, param_only: bool = False, ckpt: bool = False,
+                 hook: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([Block(d), Block(d)])
         self.norm, self.side = nn.LayerNorm(d), nn.Linear(d, d)
         self.bias = nn.Parameter(torch.randn(d))
         self.tied, self.param_only, self.ckpt = tied, param_only, ckpt
+        self.hooked = nn.Linear(d, d) if hook else None
 
     def forward(self, x, s):
         h = checkpoint(self.blocks[0], x, use_reentrant=False) if self.ckpt else self.blocks[0](x)
+        if self.hooked is not None:  # a gradient hook on a Linear's output (a frontier node's): doubles it once
+            h = self.hooked(h)
+            h.register_hook(lambda g: g * 2)
+            h = F.gelu(h)
         h = self.norm(self.blocks[1](h))
         if self.tied:
             h = self.blocks[0].fc2(F.gelu(self.blocks[0].fc1(h))) + h
@@ -77,8 +83,8 @@ def _data(d: int = 8, rows: int = 5):
     return [torch.randn(rows, d, generator=g) for _ in range(4)]
 
 
-@pytest.mark.parametrize("kw", [{}, {"param_only": True}, {"ckpt": True}, {"amp": True}],
-                         ids=["chain", "param-only", "ckpt", "bf16-autocast"])
+@pytest.mark.parametrize("kw", [{}, {"param_only": True}, {"ckpt": True}, {"amp": True}, {"hook": True}],
+                         ids=["chain", "param-only", "ckpt", "bf16-autocast", "gradient-hook"])
 def test_split_backward_is_the_plain_backward_bit_for_bit(kw):
     torch.manual_seed(0)
     amp = kw.pop("amp", False)

@@ -14,9 +14,12 @@ group of frontier nodes, which re-runs the frontier node for its branch outputs 
 ``.grad`` through the parameters' ``AccumulateGrad`` nodes, so post-accumulate-grad hooks (Whale's bucketed
 gradient sync, :mod:`whale.parallel.data`) fire as in a plain backward.
 
-Groups: frontier nodes whose branches reach a common parameter (a weight tied within the stage) run in one
-call; there the chain between them is walked again and each of them is pinned to its kept gradients (a
-pre-hook that returns them), so nothing counts twice. Outputs that depend on no input (and every output of a
+In W every frontier node is pinned to its kept gradients (a node pre-hook that returns them): autograd runs
+the gradient hooks of the node's output tensors (``t.register_hook``) again when it runs the node again, and
+the pin undoes a second change of the gradient (their side effects, such as ``retain_grad``, do happen twice;
+hooks on other chain nodes do not run in W). Groups: frontier nodes whose branches reach a common parameter (a
+weight tied within the stage) run in one call; there the chain between them is walked again, and the pins keep
+the walk's partial gradients from counting twice. Outputs that depend on no input (and every output of a
 stage whose inputs need no gradient, such as stage 0) are W's own roots, with their output gradients. The math
 is the plain backward's: the same nodes compute the same products from the same gradients; only the order in
 which several contributions to one tied parameter are summed can differ.
@@ -177,8 +180,7 @@ def backward_weight(work: WeightWork) -> None:
                  if g is not None] + group.roots
         if not roots or not group.params:
             continue
-        pins = [n.register_prehook(lambda _got, kept=work.kept[n]: kept)
-                for n in group.frontier if n in work.kept] if len(group.frontier) > 1 else []
+        pins = [n.register_prehook(lambda _got, kept=work.kept[n]: kept) for n in group.frontier if n in work.kept]
         try:
             torch.autograd.backward([e for e, _ in roots], [g for _, g in roots], inputs=list(group.params.values()),
                                     retain_graph=True)
