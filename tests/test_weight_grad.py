@@ -162,3 +162,36 @@ def test_w_runs_only_weight_gradient_products_and_fires_accumulate_hooks():
     assert w.mm == linears  # fc1, fc2 of both blocks, side: weight gradients only
     assert b.mm == 4  # input gradients of the chain's four Linears (the side input needs none)
     assert sorted(fired) == sorted(id(p) for p in params)
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w.T`` as a Python autograd Function (a frontier node that autograd does not own from Python)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def test_python_function_frontier_survives_dropping_the_outputs_before_w():
+    """The executor drops a micro-batch's outputs before its W: the kept frontier nodes alone (here a Python
+    Function's node, the topmost one) keep what W needs."""
+    import gc
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x, g = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    out = _Linear.apply(torch.tanh(x), w)
+    got, work = backward_input([out], [g], [x], [w])
+    del out
+    gc.collect()
+    backward_weight(work)
+    x2 = x.detach().requires_grad_()
+    torch.autograd.backward([_Linear.apply(torch.tanh(x2), w)], [g], inputs=[w])
+    assert torch.equal(got[0], torch.autograd.grad(_Linear.apply(torch.tanh(x2), w), x2, g)[0])
+    assert torch.equal(w.grad, 2 * (g.t() @ torch.tanh(x)))  # W, then the plain backward: the same sum twice

@@ -32,7 +32,10 @@ commented out, and torch's own ``PipelineStage`` runs a full backward on stage 0
 the groups with one Python reverse-closure walk per parameter (parameters x nodes), where this module walks the
 graph once.
 
-A stage that holds hooks on the chain for its W pass (ZeRO-3's gather-before-backward on unit outputs) uses the
+A Python ``torch.autograd.Function`` on the frontier (one taking a weight, such as sequence parallelism's
+``_GatherLinear``) computes what its ``ctx.needs_input_grad`` (set at forward time) asks for in both passes,
+its collectives included (the same calls on every rank of its group, so they still match): correct, not
+cheaper. A stage that holds hooks on the chain for its W pass (ZeRO-3's gather-before-backward on unit outputs) uses the
 replay instead: W as ``torch.autograd.backward(outputs, output_grads, inputs=params)``, the whole chain again.
 """
 
