@@ -115,6 +115,7 @@ def _whale_runner(model: Pipe, schedule: str, args):
         out = engine.step((x, y))
         return out["loss"], out["busy_time"], out["schedule_time"]
 
+    step.engine = engine  # for benchmarks/pipeline_overheads.py
     return step
 
 

@@ -318,3 +318,15 @@ def test_a_nan_in_one_split_shard_raises_on_every_rank():
     assert messages[0] == messages[1]
     assert messages[0].startswith("step 1: a gradient is not finite (the losses are): the gradient of "
                                   "'head.weight (shard 1)' holds NaN. ")  # its original name
+
+
+def test_max_abs_check_is_exact_on_cpu_also_when_a_sum_overflows():
+    """The CPU fast path (a sum per gradient, the max-abs norm only where the sum is not finite) flags exactly the
+    gradients holding a NaN or inf: finite values whose sum overflows to inf are no false alarm."""
+    from whale.runtime.nonfinite import _max_abs
+
+    big = torch.full((4,), 3e38)  # finite; its fp32 sum is inf
+    nan, inf, ok = torch.tensor([1.0, math.nan]), torch.tensor([-math.inf, 2.0]), torch.ones(3)
+    assert _max_abs([ok]) == [] and _max_abs([]) == []
+    norms = _max_abs([ok, big, nan, inf, ok.half()])
+    assert [bool(torch.isfinite(n)) for n in norms] == [True, False, False]

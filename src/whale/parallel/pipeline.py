@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from whale.parallel import p2p
+from whale.parallel import p2p, weight_grad
 from whale.parallel.rowbridge import join, slice_for
 from whale.plan.layout import Peer
 from whale.plan.schedule import Action
@@ -156,6 +156,10 @@ class StageExecutor:
             its autocast, the loss on its fp32 cast of the output, backward from its scaled loss.
         emulator: emulation only (``None`` on real hardware): stretches each compute segment to the declared
             device's speed (:class:`whale.runtime.emulation.EmulatedDevice`).
+        weight_pass: zero-bubble only: ``"frontier"`` (B keeps the gradients where parameter branches join the
+            activation chain, W computes only the parameters' gradients from them:
+            :mod:`whale.parallel.weight_grad`) or ``"replay"`` (W differentiates the outputs again with
+            ``inputs=`` the parameters; for stages whose hooks on the chain must run in W, such as ZeRO-3's).
         on_phase: called with each phase's name ("forward micro-batch 3", "backward micro-batch 0", "pipeline
             sends") as it starts (the engine's heartbeat: :mod:`whale.runtime.heartbeat`).
     """
@@ -169,6 +173,7 @@ class StageExecutor:
         self.on_phase: Callable[[str], None] = lambda phase: None
         self._first_meta: dict[str, dict] = {"sent": {}, "received": {}}  # per peer: previous step's first description
         self.precision = None
+        self.weight_pass = "frontier"
 
     def run(self, actions: list[Action], work: MicroBatches, train: bool = True) -> StepResult:
         """Run ``actions`` (forwards only when not ``train``) and wait for every send; returns the result.
@@ -274,7 +279,9 @@ class StageExecutor:
     def _backward(self, key: tuple[int, int], last: bool, state: _InFlight, result: StepResult,
                   split: bool = False) -> None:
         """The backward of ``key = (chunk, micro-batch)``; with ``split`` only the gradients of the received
-        inputs (``torch.autograd.grad`` on them, keeping the graph for the W pass), parameters untouched."""
+        inputs (``torch.autograd.grad`` on them, keeping the graph and, under ``weight_pass == "frontier"``, the
+        gradients the W pass starts from: :func:`whale.parallel.weight_grad.backward_input`), parameters
+        untouched."""
         inputs, pieces, out, outgoing, recv = state.live[key] if split else state.live.pop(key)
         if self.links.last(key[0]):
             tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
@@ -288,11 +295,14 @@ class StageExecutor:
         start = self._clock()
         if split:
             leaves = [v for piece in pieces for v in piece if isinstance(v, torch.Tensor) and v.requires_grad]
-            if tensors and leaves:
-                for leaf, g in zip(leaves, torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
-                                                               allow_unused=True), strict=True):
-                    leaf.grad = g  # None: unused, sent as zeros
-            state.weights[key] = (tensors, grads)
+            if self.weight_pass == "replay" or not tensors:
+                got = torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
+                                          allow_unused=True) if tensors and leaves else ()
+                state.weights[key] = (tensors, grads)
+            else:  # W from the gradients kept at the frontier (whale.parallel.weight_grad)
+                got, state.weights[key] = weight_grad.backward_input(tensors, grads, leaves, self._params(key[0]))
+            for leaf, g in zip(leaves, got, strict=False):
+                leaf.grad = g  # None: unused, sent as zeros
         elif tensors:
             torch.autograd.backward(tensors, grads)
         self._account(start, lambda: ("Bi" if split else "B", key[0], _shapes(inputs)), state, result)
@@ -301,18 +311,25 @@ class StageExecutor:
             state.sends += p2p.send_grads(piece, peer.rank, back)
 
     def _weight(self, key: tuple[int, int], last: bool, state: _InFlight, result: StepResult) -> None:
-        """Zero-bubble W pass of ``key = (chunk, micro-batch)``: the parameters' gradients from the same outputs
-        and output gradients as its B pass (``torch.autograd.backward`` with ``inputs=`` the parameters, which
-        accumulates into ``.grad`` exactly as the plain backward; the graph is freed after it)."""
+        """Zero-bubble W pass of ``key = (chunk, micro-batch)``: the parameters' gradients, accumulated into
+        ``.grad`` through their ``AccumulateGrad`` nodes as in a plain backward (gradient-sync hooks fire), from
+        the frontier gradients its B pass kept (:func:`whale.parallel.weight_grad.backward_weight`), or under
+        ``weight_pass == "replay"`` from the outputs and output gradients again (``inputs=`` the parameters).
+        The graph is freed after it."""
         inputs = state.live.pop(key)[0]
-        tensors, grads = state.weights.pop(key)
+        kept = state.weights.pop(key)
         if last:
             self.before_last_backward(result.loss_sum)
         start = self._clock()
-        params = [p for p in self.modules[key[0]].parameters() if p.requires_grad]
-        if tensors and params:
-            torch.autograd.backward(tensors, grads, inputs=params)
+        if isinstance(kept, weight_grad.WeightWork):
+            weight_grad.backward_weight(kept)
+        elif kept[0] and (params := self._params(key[0])):
+            torch.autograd.backward(kept[0], kept[1], inputs=params)
         self._account(start, lambda: ("W", key[0], _shapes(inputs)), state, result)
+
+    def _params(self, chunk: int) -> list[torch.Tensor]:
+        """The parameters of ``chunk`` that require gradients."""
+        return [p for p in self.modules[chunk].parameters() if p.requires_grad]
 
     def _clock(self) -> tuple[float, float]:
         """Wall time, and this thread's CPU time when emulating (0.0 otherwise: not needed)."""

@@ -262,7 +262,8 @@ class TransformerEstimator(DefaultEstimator):
         over the stage's layers; GPipe m; ZB-H1 min(p, m) on every stage (the runtime's B keeps each
         micro-batch's autograd graph, with the activations the W pass needs, until its W; the schedule's H1 limit
         bounds F-done-W-not micro-batches by p; under checkpointing that is the layer inputs, the W pass
-        recomputing the rest)."""
+        recomputing the rest). Not counted: the output gradients of the weight-bearing ops that B also keeps
+        for W (:mod:`whale.parallel.weight_grad`), about one activation per linear layer per micro-batch."""
         if sched == "GPipe":
             return np.full(p, float(m))
         if sched == "ZB-H1":

@@ -146,6 +146,7 @@ class Engine(GradientUpdate, EngineState):
         self.offload = host_offload(self)  # optimizer state (and parameters) in host memory: runtime/offload.py
         if self.zero is not None:
             self.zero.tracker = self.memory.tracker  # ZeRO-3 reports each gather and free
+            self.executor.weight_pass = "replay"  # ZB-H1's W must pass ZeRO-3's gather hooks on unit outputs
 
     # --- emulation ---------------------------------------------------------------------------------------
     @property

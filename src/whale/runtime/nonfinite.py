@@ -10,7 +10,8 @@ now sums the finite values). Each training step, before the optimizer step, ever
   stand-in with zero gradients, so the step completes on every rank and the refusal is found like a NaN loss;
 - the gradients (after their reduction, before clipping): one ``torch._foreach_norm(grads, inf)`` over the
   gradients this rank counts in the global norm (each element once over the world), stacked with the losses
-  and tested with ``isfinite`` (max-abs norms: exact, no overflow of a sum of squares): one device sync.
+  and tested with ``isfinite`` (max-abs norms: exact, no overflow of a sum of squares): one device sync. On
+  CPU a plain sum per gradient first, the norm only where a sum is not finite (:func:`_max_abs`).
 
 Cost per step: that one reduction over this rank's share of the gradients, and one flag that rides on a
 collective the step makes anyway: under fp16 the loss all-reduce (which carries the scaler's overflow flag),
@@ -58,6 +59,18 @@ class NonFiniteError(FloatingPointError):
 
 class LossShapeError(ValueError):
     """``loss_fn`` returned something that is not a one-element tensor; raised on every rank."""
+
+
+def _max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Max-abs norms (0-dim) of ``grads``: finite exactly where a gradient has no NaN/inf element. On CPU only
+    of the gradients whose plain sum is not finite (a NaN or inf element makes the sum NaN or inf; a finite sum
+    rules both out, and a sum that overflows is checked exactly): ``_foreach_norm(inf)`` has no fused CPU kernel
+    and took ~13 ms for 2 M fp32 elements where the sums take ~0.15 ms (one thread; one more sync, free on CPU).
+    """
+    if grads and grads[0].device.type == "cpu":
+        sums = torch.stack([g.sum() for g in grads]).isfinite().tolist()
+        grads = [g for g, ok in zip(grads, sums, strict=True) if not ok]
+    return list(torch._foreach_norm(grads, math.inf)) if grads else []
 
 
 class LossCheck:
@@ -149,7 +162,7 @@ class NonFiniteGuard:
         if loss is not None and not math.isfinite(loss):
             return 1.0
         grads = [p.grad.detach() for p in params if p.grad is not None]
-        values = [n.float().reshape(()) for n in torch._foreach_norm(grads, math.inf)] if grads else []
+        values = [n.float().reshape(()) for n in _max_abs(grads)]
         values += [x.float().to(self.device) for x in self.loss_fn.losses] if loss is None else []
         return float(not bool(torch.stack(values).isfinite().all())) if values else 0.0
 
