@@ -146,6 +146,9 @@ def _equivalence(rank, world, spec, offload):
            "trainable": sum(h.numel() for h in updated if h.requires_grad), "state": state_bytes(opt),
            "all_host": {id(q) for g in opt.param_groups for q in g["params"]} == {id(h) for h in updated},
            "table": wh.memory_table(engine)[1]}
+    if spec["zero"] == 3:  # the shards count as (host) parameters and gradients, whatever touched them first
+        tr = engine.memory.tracker
+        out["shard_categories"] = sorted({tr.category(t) for u in engine.zero.units for t in (u.shard, u.shard_grad)})
     if offload == "optimizer+params" and spec["zero"] == 3:  # the shards are on the host and are the masters
         host = {t.untyped_storage().data_ptr() for t, _ in engine.offload.on_host}
         out["params_on_host"] = all(h.untyped_storage().data_ptr() in host for _, h in engine.offload.pairs) and \
@@ -192,6 +195,9 @@ def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world,
             assert host["host_parameters"] == 4 * r["elements"]
         else:
             assert r["params_on_host"]
+        if spec["zero"] == 3:
+            assert r["shard_categories"] == (["host_gradients", "host_parameters"] if offload != "optimizer" else
+                                             ["gradients", "parameters"]), r["shard_categories"]
         if "device_parameters" in r:  # ZeRO-3 + parameter offload: the device holds at most two gathered units
             assert r["device_parameters"] <= 2 * r["largest_unit"], r
     if "plain_peak" in results[0]:  # the device peak dropped by about Adam's moments
