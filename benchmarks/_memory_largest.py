@@ -13,9 +13,11 @@ with room (device and host memory x :data:`ROOMY`) with the side's strongest mem
 steps, so the size fails only if its measured peak does not fit. Sides:
 
 - ``data_parallel``: one TaskGraph (``GPT(stages=1)``) on 4 lanes, every memory technique forbidden;
-- ``best``: the planner free to add activation checkpointing, ZeRO and offload, on the layout (data parallel x 4,
-  2 pipeline stages x 2 lanes, 4 stages) whose planner-only depth boundary is largest (each layout's planner
-  boundary is found first, by planning alone, and reported).
+- ``best``: the planner free to add activation checkpointing, ZeRO (1-3) and offload (of the optimizer, and of
+  the parameters: with ZeRO-3 the lanes' parameter and gradient shards stay on the host and one unit is gathered
+  on the device at a time), on the layout (data parallel x 4, 2 pipeline stages x 2 lanes, 4 stages) whose
+  planner-only depth boundary is largest (each layout's planner boundary is found first, by planning alone, and
+  reported; ``--best-layouts`` narrows the layouts).
 
 Search (:func:`boundary`): from a start known or guessed, step up (1, 2, 4, ... layers) until a size fails,
 or down until one trains, then bisect between the largest that trains and the smallest that fails; then the
@@ -48,14 +50,15 @@ def _spec(budget: float, host_per_node: float | None):
 
 def _forced(side: str, stages: int) -> list[dict]:
     """The memory settings a refused size is tried with on the roomy spec: none for data parallelism; for the
-    best side the strongest combinations for the layout's lanes (ZeRO-3 + offload + checkpointing; ZeRO-3 +
-    checkpointing; ZeRO-2 + offload + checkpointing; with one lane, offload + checkpointing), tried in turn until
-    one trains."""
+    best side the strongest combinations for the layout's lanes (ZeRO-3 + parameter offload + checkpointing;
+    ZeRO-3 + optimizer offload + checkpointing; ZeRO-3 + checkpointing; ZeRO-2 + offload + checkpointing; with
+    one lane, offload + checkpointing), tried in turn until one trains."""
     if side == "data_parallel":
         return [{}]
     if 4 // stages == 1:
         return [{"offload": "optimizer", "activation_checkpoint": "all"}]
-    return [{"zero": 3, "offload": "optimizer", "activation_checkpoint": "all"},
+    return [{"zero": 3, "offload": "optimizer+params", "activation_checkpoint": "all"},
+            {"zero": 3, "offload": "optimizer", "activation_checkpoint": "all"},
             {"zero": 3, "activation_checkpoint": "all"},
             {"zero": 2, "offload": "optimizer", "activation_checkpoint": "all"}]
 

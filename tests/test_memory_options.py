@@ -70,7 +70,7 @@ def _brute(plan, stages, batch, floor, forbid, cap, host, speeds, bw):
     def allowed(o):
         if o.activation_checkpoint < floor.activation_checkpoint or o.zero < floor.zero or \
                 OFFLOADS.index(o.offload) < OFFLOADS.index(floor.offload) or \
-                (o.offload == "optimizer+params" and o.zero):
+                (o.offload == "optimizer+params" and o.zero in (1, 2)):
             return False
         added = {"activation_checkpoint": o.activation_checkpoint and not floor.activation_checkpoint,
                  "zero": o.zero > floor.zero, "zero3": o.zero == 3 and floor.zero < 3,
@@ -106,7 +106,7 @@ def test_choice_is_the_cheapest_fitting_combination_on_random_instances():
         cap = [rng.uniform(2e4, 2e5) for _ in range(plan.world_size)]
         host = [rng.uniform(0, 4e5) for _ in range(plan.world_size)]
         speeds = [rng.uniform(1e9, 1e10) for _ in range(plan.world_size)]
-        floor = rng.choice([o for o in ALL[:6] if not (o.zero and o.offload == "optimizer+params")])
+        floor = rng.choice([o for o in ALL[:6] if not (o.zero in (1, 2) and o.offload == "optimizer+params")])
         forbid = tuple(f for f in ("activation_checkpoint", "zero", "zero3", "offload", "offload_params")
                        if rng.random() < 0.2)
         expect = _brute(plan, stages, batch, floor, forbid, cap, host, speeds, 1e9)
@@ -194,3 +194,23 @@ def test_zero3_pipeline_stage_holds_shard_tied_weights_and_the_gathered_rest():
     one = dataclasses.replace(st, pipelined=False, tied_elements=0, gather_elements=300)
     r = rank_memory(one, rows=4, in_flight=1, share=0.5, options=MemoryOptions(zero=3)).device
     assert r["parameters"] == r["gradients"] == 4 * (0.5 * 1000 + 300)
+
+
+def test_zero3_with_parameter_offload_leaves_the_device_only_what_is_gathered():
+    st = StageMemory(trainable_elements=1000, activation_bytes=10.0, gather_elements=300, reduce_elements=200)
+    shard = rank_memory(st, 1, 1, 0.25, MemoryOptions(zero=3, offload="optimizer"))
+    hosted = rank_memory(st, 1, 1, 0.25, MemoryOptions(zero=3, offload="optimizer+params"))
+    assert shard.device["parameters"] == shard.device["gradients"] == 4 * 250 + 4 * 300  # shard + gathered
+    assert hosted.device["parameters"] == hosted.device["gradients"] == 4 * 300  # the shards are on the host
+    assert hosted.device["temporaries"] == shard.device["temporaries"] == 4 * 200  # a flat buffer in reduction
+    assert hosted.host == shard.host == 16 * 250  # the shard is the master, its gradient the host buffer
+    tied = dataclasses.replace(st, tied_elements=100, tie_stages=2, pipelined=True)
+    assert rank_memory(tied, 1, 1, 0.25, MemoryOptions(zero=3, offload="optimizer+params")).device[
+        "parameters"] == 4 * 100 + 4 * 300  # weights tied across stages stay whole on the device
+    got = candidates(MemoryOptions())
+    assert MemoryOptions(True, 3, "optimizer+params") in got
+    assert not [o for o in got if o.offload == "optimizer+params" and o.zero in (1, 2)]
+    assert MemoryOptions(True, 3, "optimizer+params") not in candidates(MemoryOptions(), ("offload_params",))
+    assert Config(zero=3, offload="optimizer+params").offload == "optimizer+params"
+    with pytest.raises(ConfigError, match="zero=3"):
+        Config(zero=2, offload="optimizer+params")

@@ -40,8 +40,11 @@ def test_config_and_plan_carry_offload():
     for bad in ("cpu", True, None, "params"):
         with pytest.raises(ConfigError, match="offload"):
             wh.Config(offload=bad)
-    with pytest.raises(ConfigError, match="zero=0"):
-        wh.Config(offload="optimizer+params", zero=1)
+    for zero in (1, 2):
+        with pytest.raises(ConfigError, match="zero=3"):
+            wh.Config(offload="optimizer+params", zero=zero)
+    assert wh.Config(offload="optimizer+params", zero=3).zero == 3  # the shards stay on the host
+    assert Plan(2, (TaskGraph(0, "replicate", 2, num_params=10),), 1, zero=3, offload="optimizer+params").zero == 3
     tg = TaskGraph(0, "replicate", 2, num_params=10)
     plan = Plan(2, (tg,), 1, offload="optimizer+params")
     assert Plan.from_json(plan.to_json()) == plan and "offload optimizer+params to host memory" in str(plan)
@@ -143,7 +146,16 @@ def _equivalence(rank, world, spec, offload):
            "trainable": sum(h.numel() for h in updated if h.requires_grad), "state": state_bytes(opt),
            "all_host": {id(q) for g in opt.param_groups for q in g["params"]} == {id(h) for h in updated},
            "table": wh.memory_table(engine)[1]}
-    if offload == "optimizer+params":  # between steps the module's parameters are the host tensors
+    if spec["zero"] == 3:  # the shards count as (host) parameters and gradients, whatever touched them first
+        tr = engine.memory.tracker
+        out["shard_categories"] = sorted({tr.category(t) for u in engine.zero.units for t in (u.shard, u.shard_grad)})
+    if offload == "optimizer+params" and spec["zero"] == 3:  # the shards are on the host and are the masters
+        host = {t.untyped_storage().data_ptr() for t, _ in engine.offload.on_host}
+        out["params_on_host"] = all(h.untyped_storage().data_ptr() in host for _, h in engine.offload.pairs) and \
+            all(p.numel() == 0 for p in engine.module.parameters()) and not engine.offload.grads
+        out["device_parameters"] = max(m["memory_category_peaks"]["parameters"] for m in metrics)
+        out["largest_unit"] = 4 * max(u.flat.numel() for u in engine.zero.units)
+    elif offload == "optimizer+params":  # between steps the module's parameters are the host tensors
         host = {h.untyped_storage().data_ptr() for _, h, _ in engine.offload.resident}
         out["params_on_host"] = all(p.untyped_storage().data_ptr() in host for p in engine.module.parameters())
     if spec["zero"] == 0 and offload == "optimizer":  # the same job without offload: the device holds Adam's moments
@@ -159,10 +171,12 @@ CASES = [
     (4, {"zero": 1, "layers": (1, 1), "weights": ((1.0, 3.0), (2.0, 1.0))}, "optimizer"),
     (2, {"zero": 3, "layers": (2,), "weights": ((3.0, 1.0),)}, "optimizer"),
     (4, {"zero": 3, "layers": (1, 1), "weights": ((1.0, 3.0), (2.0, 1.0))}, "optimizer"),
+    (2, {"zero": 3, "layers": (2,), "weights": ((3.0, 1.0),)}, "optimizer+params"),
 ]
 
 
-IDS = ["dp2", "dp2-params", "dp2-zero2-uneven", "pp2xdp2-zero1", "dp2-zero3-uneven", "pp2xdp2-zero3"]
+IDS = ["dp2", "dp2-params", "dp2-zero2-uneven", "pp2xdp2-zero1", "dp2-zero3-uneven", "pp2xdp2-zero3",
+       "dp2-zero3-params"]
 
 
 @pytest.mark.parametrize("world,spec,offload", CASES, ids=IDS)
@@ -172,7 +186,8 @@ def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world,
         assert r["lrs"] == pytest.approx([1e-3 * 0.7 ** STEPS, 2e-3 * 0.7 ** STEPS])  # the scheduler drove them
         assert r["device_state"] == 0 and r["all_host"], r  # the user's optimizer steps host masters, not the device
         host = r["host"]
-        assert host["host_parameters"] >= 4 * r["elements"] and host["host_gradients"] == 4 * r["trainable"]
+        grads = 4 * (r["elements"] if "device_parameters" in r else r["trainable"])  # ZeRO-3: the whole shard's
+        assert host["host_parameters"] >= 4 * r["elements"] and host["host_gradients"] == grads
         assert r["state"] == 8 * r["trainable"]  # AdamW's two fp32 moments of what this rank steps, on the host
         assert host["host_optimizer_state"] >= r["state"]  # at the host peak: + step counters and temporaries
         assert "host peak MiB" in r["table"]
@@ -180,6 +195,11 @@ def test_offload_matches_one_process_with_the_optimizer_state_on_the_host(world,
             assert host["host_parameters"] == 4 * r["elements"]
         else:
             assert r["params_on_host"]
+        if spec["zero"] == 3:
+            assert r["shard_categories"] == (["host_gradients", "host_parameters"] if offload != "optimizer" else
+                                             ["gradients", "parameters"]), r["shard_categories"]
+        if "device_parameters" in r:  # ZeRO-3 + parameter offload: the device holds at most two gathered units
+            assert r["device_parameters"] <= 2 * r["largest_unit"], r
     if "plain_peak" in results[0]:  # the device peak dropped by about Adam's moments
         drop = results[0]["plain_peak"] - results[0]["device_peak"]
         assert drop >= 0.9 * 8 * results[0]["trainable"], (drop, results[0])
@@ -205,7 +225,9 @@ def _resume(rank, world, spec, offload, path):
 
 
 @pytest.mark.parametrize("spec,offload", [({"zero": 2, "layers": (2,), "weights": ((3.0, 1.0),)}, "optimizer"),
-                                          ({"zero": 0, "layers": (2,)}, "optimizer+params")], ids=["zero2", "params"])
+                                          ({"zero": 0, "layers": (2,)}, "optimizer+params"),
+                                          ({"zero": 3, "layers": (2,), "weights": ((3.0, 1.0),)}, "optimizer+params")],
+                         ids=["zero2", "params", "zero3-params"])
 def test_offload_checkpoint_resumes_exactly(spec, offload, tmp_path):
     for after, again in run_ranks(_resume, 2, spec, offload, str(tmp_path), timeout=120):
         assert after == again

@@ -33,7 +33,8 @@ def _choose(floor, forbid, device, host):
 def test_infeasible_advice_names_the_rank_the_bytes_and_only_the_fixes_that_apply():
     need = plan_memory(_plan(1, 2, 1), _STAGE, 4, MemoryOptions())[0].device_total
     with pytest.raises(InfeasiblePlanError) as e:
-        _choose(MemoryOptions(), (), need * 0.1, 1e12)  # even every technique leaves the device short
+        _choose(MemoryOptions(), (), need * 0.03, 1e12)  # even every technique (ZeRO-3 + parameter offload:
+        # the gathered 1000 elements' values and gradients) leaves the device short
     text = str(e.value)
     assert re.fullmatch(
         r"no allowed combination of memory techniques fits: even .+ leaves rank \d \((T4|P100-16GB)\) needing "

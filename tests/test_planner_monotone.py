@@ -58,7 +58,7 @@ def test_more_memory_never_makes_the_plan_infeasible_or_slower():
     rng = random.Random(23)
     tried = feasible = newly = faster = 0
     worst = 0.0  # largest (raised - base) / base step time seen
-    for _ in range(80):
+    for _ in range(120):  # ZeRO-3 + parameter offload fits most instances: enough newly feasible ones
         plan, stages, batch, speeds, memory, host = _instance(rng)
         base = _choose(plan, stages, batch, speeds, memory, host)
         j = rng.randrange(plan.world_size)

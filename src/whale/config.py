@@ -124,10 +124,13 @@ class Config:
         offload: ZeRO-Offload (Ren et al., USENIX ATC 2021): ``"none"`` (default); ``"optimizer"``: each rank keeps
             fp32 master copies, gradients and the optimizer state of the parameters it updates (its ZeRO slice
             under ``zero >= 1``) in host memory (pinned on CUDA) and runs ``optimizer.step()`` there; the updated
-            parameters are copied back to the device. ``"optimizer+params"``: also the stage's parameters stay
-            on the host between steps and are copied to the device for each step's forward and backward (needs
-            ``zero=0``). Host bytes are measured apart from device bytes and, under an emulated cluster, bounded
-            by each node's ``host_memory_bytes`` shared by its ranks (:mod:`whale.runtime.offload`).
+            parameters are copied back to the device. ``"optimizer+params"``: also the parameters stay on the
+            host: with ``zero=0`` the stage's, copied to the device for each step's forward and backward; with
+            ``zero=3`` the lane's parameter and gradient shards, each ZeRO-3 unit gathered from the host shards
+            for its forward and backward (one unit on the device at a time; ZeRO-Infinity's CPU offload).
+            Not with ``zero=1`` or ``2``. Host bytes are measured apart from device bytes and, under an
+            emulated cluster, bounded by each node's ``host_memory_bytes`` shared by its ranks
+            (:mod:`whale.runtime.offload`).
         auto: let the planner choose the pipeline stage count and cut, the data-parallel degree, micro-batches,
             schedule and memory techniques (:mod:`whale.planner.search`, :mod:`whale.frontend.autoplan`): the plan
             with the least predicted step time that fits memory; annotations constrain it (an annotated stage
@@ -221,10 +224,11 @@ class Config:
             raise ConfigError(f"track_memory={self.track_memory!r} must be True, False or None (auto)")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"offload={self.offload!r} is unknown; choose one of {OFFLOADS}")
-        if self.offload == "optimizer+params" and self.zero:
+        if self.offload == "optimizer+params" and self.zero in (1, 2):
             raise ConfigError(f"offload='optimizer+params' with zero={self.zero}: whole parameters cannot stay on "
-                              "the host while ZeRO shards them; use offload='optimizer' (each lane offloads its "
-                              "slice of the optimizer state) or zero=0")
+                              "the host while ZeRO-1/2 keep them whole on the device; use offload='optimizer' "
+                              "(each lane offloads its slice of the optimizer state), zero=3 (the parameter "
+                              "shards stay on the host) or zero=0")
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for the "
                               "default collective timeout (600 s)")

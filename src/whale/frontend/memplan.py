@@ -131,6 +131,8 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
             checkpointed_bytes=sum(ckpt), backward_bytes=_backward_peak(work, act, s == last, relief),
             checkpointed_backward_bytes=_backward_peak(work, ckpt, s == last, relief),
             gather_elements=_gathered(units, layers, trainable, pipelined, tied),
+            reduce_elements=0 if pipelined else max((u.param_bytes // 4 for u in units if _inside(u.name, layers)),
+                                                    default=0),
             pipelined=pipelined, p2p_bytes=_p2p(stage_units, s),
             recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
             train_flops=sum(u.train_flops for u in work)))

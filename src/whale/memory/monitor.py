@@ -114,6 +114,8 @@ class MemoryMonitor:
         for b in self.module.buffers():
             tr.label(b, "buffers")
         if self.host is not None:  # the optimizer's state is among the host tensors
+            for t, category in self.host.device_tensors():  # its groups hold host masters in their place
+                tr.label(t, category)
             for t, category in self.host.host_tensors():
                 tr.label(t, category)
             return

@@ -165,6 +165,12 @@ class StorageTracker(TorchDispatchMode):
         st = _storage(t)
         return st is None or id(st) in self._live
 
+    def category(self, t: torch.Tensor) -> str | None:
+        """The category ``t``'s storage is counted as now (``None``: not counted)."""
+        st = _storage(t)
+        entry = self._live.get(id(st)) if st is not None else None
+        return entry[1] if entry is not None else None
+
     def label(self, t: torch.Tensor | None, category: str) -> None:
         """Count ``t``'s storage (made inside the tracker or not) as ``category`` from now on.
 

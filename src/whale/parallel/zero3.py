@@ -161,6 +161,15 @@ class Zero3Shards:
         """This lane's shard gradients, one per unit (what it holds of the gradients between steps)."""
         return [u.shard_grad for u in self.units] + (self.tied.shard_grads if self.tied is not None else [])
 
+    def shards_to_host(self, pin: bool) -> list[tuple[torch.Tensor, str]]:
+        """Keep every unit's shard and shard gradient in host memory (``offload="optimizer+params"``:
+        :func:`zero3_unit.shards_to_host`; weights tied across stages stay whole on the device); returns them
+        with their host memory categories."""
+        for unit in self.units:
+            zero3_unit.shards_to_host(unit, self.pieces, self.me, pin)
+        return [(u.shard, "host_parameters") for u in self.units] + \
+            [(u.shard_grad, "host_gradients") for u in self.units]
+
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Re-point the optimizer's param groups at this lane's pieces (see :func:`whale.parallel.zero.
         bind_pieces`).
@@ -281,7 +290,7 @@ class Zero3Shards:
         while self._pending:
             unit, out, work, _ = self._pending.pop(0)
             work.wait()
-            unit.shard_grad.add_(out)
+            unit.shard_grad.add_(out.to(unit.shard_grad.device))  # a host shard gradient under offload
 
     def _end_backward(self) -> None:
         """End of a backward: reduce the units still gathered for it (some parameter of which got no gradient, or

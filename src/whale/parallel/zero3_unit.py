@@ -117,11 +117,12 @@ def gather(unit: Unit, group, me: int, sources: list[int], tracker=None) -> None
     global rank ``sources[g]``); ``tracker``: a :class:`whale.memory.tracker.StorageTracker` or ``None``."""
     _resized(unit, unit.flat.numel(), tracker)
     b = unit.bounds
+    shard = unit.shard.to(unit.flat.device)  # the same tensor unless the shard lives on the host (offload)
     if unit.even:
-        dist.all_gather_single(unit.flat, unit.shard, group=group)
+        dist.all_gather_single(unit.flat, shard, group=group)
     else:
-        unit.flat[b[me]: b[me + 1]].copy_(unit.shard)
-        works = [dist.broadcast(unit.shard if g == me else unit.flat[b[g]: b[g + 1]], src=src, group=group,
+        unit.flat[b[me]: b[me + 1]].copy_(shard)
+        works = [dist.broadcast(shard if g == me else unit.flat[b[g]: b[g + 1]], src=src, group=group,
                                 async_op=True)
                  for g, src in enumerate(sources) if b[g] < b[g + 1]]
         for w in works:
@@ -158,3 +159,25 @@ def start_reduce(unit: Unit, group, me: int, lanes: int) -> tuple[torch.Tensor, 
     else:
         work = dist.reduce_scatter(out, [full[b[g]: b[g + 1]] for g in range(lanes)], group=group, async_op=True)
     return out, work, full
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``t`` in host memory (pinned when ``pin``), same dtype and shape."""
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    h.copy_(t.detach())
+    return h
+
+
+@torch.no_grad()
+def shards_to_host(unit: Unit, pieces: list[_Piece], me: int, pin: bool) -> None:
+    """Keep ``unit``'s shard and shard gradient in host memory from now on (``offload="optimizer+params"``
+    under ZeRO-3): lane ``me``'s pieces of it among ``pieces`` become views of the host shard (and of the host
+    shard gradient where they have one). :func:`gather` copies the shard to the unit's device for the
+    collective; each reduce-scatter's result is added into the host shard gradient."""
+    a = unit.bounds[me]
+    unit.shard, unit.shard_grad = _host(unit.shard, pin), _host(unit.shard_grad, pin)
+    for pc in pieces:
+        if pc.bucket == unit.index:
+            pc.param.data = unit.shard[pc.lo - a: pc.hi - a]
+            if pc.param.grad is not None:
+                pc.param.grad = unit.shard_grad[pc.lo - a: pc.hi - a]

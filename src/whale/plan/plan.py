@@ -218,7 +218,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         offload: what each rank keeps in host memory with the optimizer step on the host (ZeRO-Offload):
             ``"none"``, ``"optimizer"`` (fp32 master copies, gradients and optimizer state of the parameters it
             updates, its ZeRO slice under ``zero >= 1``) or ``"optimizer+params"`` (also the stage's parameters
-            between steps); see :mod:`whale.runtime.offload`.
+            between steps; under ``zero=3`` the lane's parameter and gradient shards, gathered unit by unit);
+            see :mod:`whale.runtime.offload`.
         virtual_stages: model chunks per rank (``"Interleaved1F1B"``; 1 otherwise): the ``p * v`` TaskGraphs
             and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
             ``shared_params`` then name pipeline stages (rank positions).

@@ -34,9 +34,9 @@ class PlanChecks:
         if self.zero > 3:
             _fail("zero", self.zero, "is not a ZeRO stage",
                   "use 0, 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters)")
-        if self.offload == "optimizer+params" and self.zero:
-            _fail("offload", self.offload, f"keeps whole parameters on the host, which ZeRO-{self.zero}'s sharded "
-                  "parameter buffers do not support", "use offload='optimizer' with zero >= 1, or zero=0")
+        if self.offload == "optimizer+params" and self.zero in (1, 2):
+            _fail("offload", self.offload, f"keeps the parameters on the host, which ZeRO-{self.zero} keeps whole "
+                  "on the device", "use offload='optimizer' with zero >= 1, or zero=0 or 3")
         if self.zero_weights and not self.zero:
             _fail("zero_weights", [list(w) for w in self.zero_weights], "shards nothing while zero = 0",
                   "set zero >= 1 or leave zero_weights []")

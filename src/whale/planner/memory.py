@@ -10,7 +10,8 @@ for a plan, every rank's peak *device* bytes and its *host* bytes under a combin
   share of the sharded state from the plan's ``zero_weights`` (hardware-aware: by free memory);
 - offload (ZeRO-Offload, Ren et al., USENIX ATC 2021): ``"optimizer"`` keeps the optimizer state, an fp32
   master copy of the lane's parameters and a gradient copy on the host and steps there; ``"optimizer+params"``
-  also keeps the parameters on the host, bringing one layer at a time to the device,
+  also keeps the parameters on the host (``zero=0``: the whole stage, brought to the device for the step;
+  ``zero=3``: the lane's parameter and gradient shards, one unit gathered on the device at a time),
 
 and :func:`choose_memory_options` picks, among the combinations the user allows, the one with the smallest
 predicted step time whose every rank fits its device and its node's host memory.
@@ -28,15 +29,18 @@ ZeRO-2                    4E          4E + 4fE (below)   8fE              0
 ZeRO-3                    4fE + 4G    4fE + 4G           8fE              0
 offload optimizer         as above    as above           0                (4 + 4 + 8)·fE
 offload optimizer+params  4E          4E                 0                (4 + 4 + 8)·E
+ZeRO-3 + optimizer+params 4G          4G                 0                (4 + 4 + 8)·fE
 ========================  ==========  =================  ===============  ==================
 
 ZeRO-2 reduce-scatters once per step after the last micro-batch's backward (gradient accumulation keeps whole
 gradients until then, :mod:`whale.parallel.zero`) into the lane's persistent slice: its *peak* holds both (it
 saves memory between steps and during the optimizer step, not at the peak). ZeRO-3 reduce-scatters each
 unit's gradients after its backward. The offloaded host keeps fp32 masters, gradient copies and the optimizer
-state of the lane's slice (:mod:`whale.runtime.offload`; not with ZeRO-3); ``"optimizer+params"`` (``zero=0``
-only) also keeps the parameters on the host between steps, but brings the whole stage to the device for the
-step, so it does not lower the step's peak.
+state of the lane's slice (:mod:`whale.runtime.offload`); ``"optimizer+params"`` with ``zero=0`` also keeps the
+parameters on the host between steps, but brings the whole stage to the device for the step, so it does not
+lower the step's peak; with ``zero=3`` the lane's parameter shard *is* the fp32 master on the host and its
+gradient shard is the host gradient buffer (each unit's reduce-scatter lands there), so the device holds only
+what is gathered (and weights tied across pipeline stages, whole). Not with ZeRO-1/2.
 
 Step time per option: :mod:`whale.planner.steptime.memory_time` (the step-time model's home).
 """
@@ -88,6 +92,8 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
     params, grads = 4 * e, {2: 4 * e + 4 * fe}.get(options.zero, 4 * e)
     if options.zero == 3:  # owned shard + tied weights (whole) + what is gathered; a stage's gradients are
         held = 4 * f * (e - stage.tied_elements) + 4 * stage.tied_elements  # reduce-scattered as its backward ends
+        if options.offload == "optimizer+params":  # the shards live on the host (the masters and gradients)
+            held = 4 * stage.tied_elements
         params, grads = held + 4 * g, held + (0.0 if stage.pipelined else 4 * g)
     host = 0.0
     if options.offload == "none":
@@ -96,6 +102,8 @@ def rank_memory(stage: StageMemory, rows: int, in_flight: int, share: float, opt
         optim, host = 0.0, 16 * fe
     act, peak = stage_activation(stage, options)
     temporaries = rows * max(0.0, peak - act)
+    if options.zero == 3:  # a layer's flat gradient buffer waiting for its reduce-scatter
+        temporaries += 4 * stage.reduce_elements
     device = {"parameters": params + stage.frozen_bytes, "gradients": grads, "optimizer_state": optim,
               "activations": rows * (act * in_flight + stage.p2p_bytes), "temporaries": temporaries}
     return RankMemory(device, host)
@@ -141,7 +149,7 @@ def plan_memory(plan: Plan, stages: list[StageMemory], global_batch: int, option
 
 def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[MemoryOptions]:
     """Every combination at least ``floor`` (what the user set is kept) that ``forbid`` allows (offloading
-    the parameters runs with ``zero=0`` only).
+    the parameters runs with ``zero=0`` or ``3``).
 
     ``forbid`` names (:data:`FORBIDDEN`) techniques the planner must not add: ``"activation_checkpoint"``,
     ``"zero"`` (any higher ZeRO stage), ``"zero3"``, ``"offload"``, ``"offload_params"``.
@@ -155,7 +163,7 @@ def candidates(floor: MemoryOptions, forbid: tuple[str, ...] = ()) -> list[Memor
     out = []
     for ckpt, zero, off in itertools.product((False, True), (0, 1, 2, 3), OFFLOADS):
         lower = ckpt < floor.activation_checkpoint or zero < floor.zero or \
-            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero > 0)
+            OFFLOADS.index(off) < OFFLOADS.index(floor.offload) or (off == "optimizer+params" and zero in (1, 2))
         banned = (ckpt and not floor.activation_checkpoint and "activation_checkpoint" in forbid) or \
             (zero > floor.zero and "zero" in forbid) or (zero == 3 > floor.zero and "zero3" in forbid) or \
             (off != floor.offload and "offload" in forbid) or \

@@ -29,6 +29,9 @@ class StageMemory:
         gather_elements: parameter elements ZeRO-3 holds gathered at once (:mod:`whale.parallel.zero3`): a
             pipeline stage is gathered whole per micro-batch; one stage gathers each repeated layer in turn
             and keeps the rest (embeddings, head) gathered from its forward to its backward.
+        reduce_elements: outside a pipeline, elements of the largest repeated layer: ZeRO-3 copies a layer's
+            gradients into one flat buffer that waits for its reduce-scatter during the next layer's backward
+            (``4 *`` this many bytes of temporaries more at the peak; 0 in a pipeline stage).
         recompute_flops: forward FLOPs per sample of the checkpointable layers (what recomputation repeats).
         train_flops: forward + backward FLOPs per sample of the whole stage (to compare the options' compute
             time on the lane shares each option's placement gives).
@@ -49,6 +52,7 @@ class StageMemory:
     backward_bytes: float = 0.0
     checkpointed_backward_bytes: float = 0.0
     gather_elements: int = 0
+    reduce_elements: int = 0
     recompute_flops: float = 0.0
     train_flops: float = 0.0
     pipelined: bool = False

@@ -11,7 +11,12 @@ What lives where (``Config(offload=...)``, recorded in ``Plan.offload``):
 - ``"optimizer+params"``: as ``"optimizer"``, and every parameter of the stage stays on the host between steps
   (the host master *is* the parameter); :func:`params_on_device` copies them to the device for a step's (or an
   evaluation's) forward and backward and drops the device copies afterwards. Whole stage at a time: the device
-  peak during a step is unchanged, the device holds no parameters between steps. Needs ``zero=0``.
+  peak during a step is unchanged, the device holds no parameters between steps. With ``zero=0``; with
+  ``zero=3`` instead the lane's parameter shards and gradient shards live on the host (an fp32 shard piece *is*
+  the master the host optimizer steps, its shard gradient the host gradient buffer), and each ZeRO-3 unit is
+  gathered from them for its forward and backward and reduce-scattered back into them
+  (:meth:`whale.parallel.zero3.Zero3.shards_to_host`): the device holds one gathered unit at a time, as
+  ZeRO-Infinity's CPU offload does. Not with ZeRO-1/2.
 
 Per step, after the gradients are reduced, unscaled (fp16) and clipped on the device (:mod:`whale.runtime.
 update`): gradients device -> host, ``optimizer.step()`` on the host, then (``"optimizer"``) the updated values
@@ -68,30 +73,42 @@ class HostOffload:
         mode: ``"optimizer"`` or ``"optimizer+params"`` (see the module docstring).
         frozen: ``id`` of optimizer tensors that never get a gradient although they require one (ZeRO pieces of
             a frozen parameter): no host gradient buffer for them.
+        zero3: the engine's :class:`~whale.parallel.zero3.Zero3` under ZeRO-3, else ``None``: with
+            ``"optimizer+params"`` its shards move to the host and its fp32 pieces are their own masters.
 
     Attributes:
         pairs: ``(device tensor, host master)`` per tensor the optimizer updates (a parameter, split shard or
             ZeRO piece; the master is an fp32 ``nn.Parameter`` of the same shape on the host).
         grads: the host gradient buffer of each pair whose tensor requires a gradient (fp32, same shape).
-        resident: ``"optimizer+params"`` only: ``(parameter, host tensor)`` for every parameter of the module.
+        resident: ``"optimizer+params"`` with ``zero=0`` only: ``(parameter, host tensor)`` for every parameter
+            of the module.
+        on_host: ZeRO-3 shards and shard gradients kept on the host, with their host memory categories.
+        device_grads: ZeRO-3 shard gradients left on the device (``"optimizer"``), counted as device gradients.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, device: torch.device, mode: str,
-                 frozen: frozenset[int] = frozenset()) -> None:
+                 frozen: frozenset[int] = frozenset(), zero3=None) -> None:
         self.optimizer, self.device, self.mode = optimizer, torch.device(device), mode
         self.pin = self.device.type == "cuda"
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        sharded = mode == "optimizer+params" and zero3 is not None
+        self.on_host = zero3.shards_to_host(self.pin) if sharded else []
+        own = {id(pc.param) for pc in zero3.pieces if pc.param.dtype == torch.float32} if sharded else set()
+        self.device_grads = list(zero3.shard_grads) if zero3 is not None and not sharded else []
         masters: dict[int, nn.Parameter] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in masters:
                     grad = p.requires_grad and id(p) not in frozen
-                    masters[id(p)] = nn.Parameter(_host_copy(p, self.pin), requires_grad=grad)
+                    masters[id(p)] = p.requires_grad_(grad) if id(p) in own else \
+                        nn.Parameter(_host_copy(p, self.pin), requires_grad=grad)
                     self.pairs.append((p, masters[id(p)]))
             group["params"] = [masters[id(p)] for p in group["params"]]
-        self.grads = {id(h): torch.zeros(h.shape, pin_memory=self.pin) for _, h in self.pairs if h.requires_grad}
+        self.grads = {id(h): torch.zeros(h.shape, pin_memory=self.pin) for p, h in self.pairs
+                      if h.requires_grad and h is not p}
+        self.back = [(p, h) for p, h in self.pairs if h is not p] if mode == "optimizer" or sharded else []
         self.resident: list[tuple[nn.Parameter, torch.Tensor, torch.dtype]] = []
-        if mode == "optimizer+params":
+        if mode == "optimizer+params" and not sharded:
             self.resident = [(p, masters[id(p)].data if id(p) in masters else _host_copy(p, self.pin), p.dtype)
                              for p in module.parameters()]
             self.release()
@@ -102,6 +119,8 @@ class HostOffload:
         host -> device. A tensor without a gradient (frozen, unused this step) is skipped by the optimizer as in
         one process."""
         for p, h in self.pairs:
+            if h is p:  # a ZeRO-3 shard piece on the host: its gradient is already the host shard gradient's
+                continue
             g = self.grads.get(id(h))
             if p.grad is None or g is None:
                 h.grad = None
@@ -111,16 +130,14 @@ class HostOffload:
         if self.pin:
             torch.cuda.current_stream(self.device).synchronize()  # the host step reads the copied gradients
         self.optimizer.step()
-        if self.mode == "optimizer":
-            for p, h in self.pairs:
-                p.detach().copy_(h, non_blocking=self.pin)
+        for p, h in self.back:
+            p.detach().copy_(h, non_blocking=self.pin)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """The host masters from the device values (after a checkpoint was loaded into the module)."""
-        if self.mode == "optimizer":
-            for p, h in self.pairs:
-                h.copy_(p.detach())
+        for p, h in self.back:
+            h.copy_(p.detach())
 
     def fetch(self) -> None:
         """``"optimizer+params"``: every parameter gets a device copy of its host value (in its own dtype)."""
@@ -138,10 +155,20 @@ class HostOffload:
         resident parameters, ``host_gradients``, ``host_optimizer_state`` for the optimizer's state tensors)."""
         out = [(h, "host_parameters") for _, h in self.pairs]
         out += [(h, "host_parameters") for _, h, _ in self.resident]
-        out += [(g, "host_gradients") for g in self.grads.values()]
+        out += [(g, "host_gradients") for g in self.grads.values()] + self.on_host
         out += [(v, CATEGORY_OF_STATE) for st in self.optimizer.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0]
         return out
+
+    def device_tensors(self) -> list[tuple[torch.Tensor | None, str]]:
+        """The device tensors the optimizer's host masters stand for (ZeRO pieces, whole parameters) as
+        ``parameters`` and their gradients (and ZeRO-3's device shard gradients) as ``gradients``: labelled by
+        identity, as without offload, not by the phase that first touches them."""
+        out: list[tuple[torch.Tensor | None, str]] = []
+        for p, h in self.pairs:
+            if h is not p:
+                out += [(p, "parameters"), (p.grad, "gradients")]
+        return out + [(g, "gradients") for g in self.device_grads]
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes per host category of the distinct storages of :meth:`host_tensors` (what lives on the host
@@ -179,7 +206,8 @@ def host_offload(engine) -> HostOffload | None:
         return None
     zero = engine.zero
     frozen = frozenset(id(pc.param) for pc in zero.pieces if not pc.owner.requires_grad) if zero else frozenset()
-    offload = HostOffload(engine.optimizer, engine.module, ctx.device, plan.offload, frozen)
+    offload = HostOffload(engine.optimizer, engine.module, ctx.device, plan.offload, frozen,
+                          zero if plan.zero == 3 else None)
     cluster = ctx.cluster
     emulated = cluster is not None and cluster.emulate
     engine.memory.attach_host(offload, host_memory_capacity(cluster, ctx.rank) if emulated else None,

@@ -56,12 +56,13 @@ def technique_seconds(elements: float, share: float, lanes: int, options: Memory
     docstring's rules): ZeRO-1 and ZeRO-3 one ring pass of the stage's ``4 * elements`` bytes over its
     ``lanes`` (``lane_bandwidth`` bytes/s), offload ``8 f E`` bytes over PCIe plus ``32 f E`` bytes of host
     memory traffic (``f = share`` of the sharded state under ZeRO, else 1), and ``8 E`` more over PCIe when the
-    parameters are offloaded too."""
+    parameters are offloaded too (under ZeRO-3 each unit's shard is fetched for forward and backward and its
+    gradient shard comes back: ``12 f E``)."""
     ring = 4 * elements * (lanes - 1) / lanes / lane_bandwidth if lanes > 1 else 0.0
     t = {0: 0.0, 1: ring, 2: 0.0, 3: ring}[options.zero]
     f = share if options.zero else 1.0
     if options.offload != "none":
         t += 8 * f * elements / PCIE_BANDWIDTH + 32 * f * elements / HOST_MEMORY_BANDWIDTH
     if options.offload == "optimizer+params":
-        t += 8 * elements / PCIE_BANDWIDTH
+        t += (12 * f if options.zero == 3 else 8) * elements / PCIE_BANDWIDTH
     return t
