@@ -286,9 +286,10 @@ def _gpt_jobs(rank, world, store, data, *runs):
 
 
 def test_the_gpt_job_refuses_another_run_overwrites_it_and_a_finished_restart_succeeds(tmp_path):
-    """One process, six tiny GPT jobs in one directory: a second fresh run is refused (exit 2, one line); with
+    """One process, seven tiny GPT jobs: a second fresh run in one directory is refused (exit 2, one line); with
     --overwrite its checkpoint survives; a restart of that job after its final checkpoint exits 0 naming its
-    summary, or writes it again when it is gone; a step directory as --ckpt-dir is refused naming its parent."""
+    summary, or writes it again when it is gone; a step directory as --ckpt-dir is refused naming its parent;
+    --resume in a directory with no checkpoint says that it starts a new run."""
     texts = tmp_path / "data" / "texts"
     texts.mkdir(parents=True)
     shutil.copy(Path(__file__).parent / "data" / "tempest_gut.txt", texts)
@@ -297,11 +298,13 @@ def test_the_gpt_job_refuses_another_run_overwrites_it_and_a_finished_restart_su
     job = {"TORCHELASTIC_RUN_ID": "job-b"}
     again = {**job, "TORCHELASTIC_RESTART_COUNT": "1"}
     common = ["--ckpt-dir", ck, "--summary", summary]
-    [a, b, b2, restart, gone, step_dir] = run_ranks(
+    empty = str(tmp_path / "empty")
+    [a, b, b2, restart, gone, step_dir, nothing] = run_ranks(
         _gpt_jobs, 1, str(tmp_path / "store"), str(tmp_path / "data"), ({}, [*common, "--steps", "2"]),
         (job, [*common, "--steps", "1"]), (job, [*common, "--steps", "1", "--overwrite"]),
         (again, [*common, "--steps", "1"]), (again, [*common, "--steps", "1", "--summary", summary + "2"]),
-        ({}, ["--ckpt-dir", ck + "/step-00000001", "--steps", "2"]), timeout=240)[0]
+        ({}, ["--ckpt-dir", ck + "/step-00000001", "--steps", "2"]),
+        ({}, ["--ckpt-dir", empty, "--summary", summary + "3", "--steps", "1", "--resume"]), timeout=240)[0]
     assert a[0] == 0 and "summary written to" in a[1]
     assert b[0] == 2 and re.search(r"error: CheckpointError: " + _OTHER.replace("steps 2-3", "step 2"), b[1])
     assert b2[0] == 0 and re.search(r"ck: removed 1 checkpoint\(s\) of run\(s\) \S+ \(step 2\) to start afresh", b2[1])
@@ -310,5 +313,6 @@ def test_the_gpt_job_refuses_another_run_overwrites_it_and_a_finished_restart_su
     assert gone[0] == 0 and f"no summary of the finished run at {summary}2: writing it" in gone[1]
     assert json.loads(Path(summary + "2").read_text())["steps"] == 1
     assert sorted(p.name for p in Path(ck).iterdir()) == ["latest", "step-00000001"]
+    assert nothing[0] == 0 and f"--resume: no checkpoint in {empty} yet: starting a new run at step 0" in nothing[1]
     assert step_dir[0] == 2 and re.search(rf"is one checkpoint \(a step-N directory\): saving there would nest new "
                                           rf"checkpoints inside it; pass its parent '{re.escape(ck)}'", step_dir[1])

@@ -36,6 +36,9 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
     if not ((args.resume or own) and wh.latest_checkpoint(args.ckpt_dir)):
         if restarted and newest is None and engine.rank == 0:
             print(f"restarted with no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
+        elif args.resume and not restarted and engine.rank == 0:  # said, so a mistyped --ckpt-dir is seen at once
+            print(f"--resume: no checkpoint in {os.path.abspath(args.ckpt_dir)} yet: starting a new run at step 0",
+                  flush=True)
         note = wh.claim_checkpoint_dir(engine, args.ckpt_dir, overwrite=args.overwrite)
         if note and engine.rank == 0:
             print(note, flush=True)
