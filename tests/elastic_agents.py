@@ -84,12 +84,12 @@ class Agent:
 
 
 def agent(node: str, port: int, d: Path, steps: int, ckpt_every: int, data_dir: str, host: bool, spec=SPEC,
-          extra=(), max_restarts: int = 3) -> Agent:
+          extra=(), max_restarts: int = 3, rdzv_conf: str = RDZV_CONF) -> Agent:
     """Start the agent of spec node ``node`` (2 workers) in the elastic job at 127.0.0.1:``port``; ``extra``: more
-    arguments for the GPT script."""
+    arguments for the GPT script; ``rdzv_conf``: the rendezvous settings (``is_host`` is added)."""
     cmd = [sys.executable, "-m", "whale.cli", "launch", "-n", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts", str(max_restarts),
-           "--rdzv-conf", f"{RDZV_CONF},is_host={int(host)}", "--cluster", str(spec), "--node-name", node,
+           "--rdzv-conf", f"{rdzv_conf},is_host={int(host)}", "--cluster", str(spec), "--node-name", node,
            *job_args(d, steps, ckpt_every, data_dir), *extra]
     return Agent(cmd, node)
 
