@@ -180,6 +180,14 @@ class Config:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
+        """Validate every field (one ConfigError line naming the value and the fix) and normalise some."""
+        self._check_pipeline()
+        self._check_numerics()
+        self._check_balance_and_memory()
+        self._check_runtime()
+
+    def _check_pipeline(self) -> None:
+        """Micro-batches, schedule and virtual stages."""
         if not isinstance(self.num_micro_batch, int) or isinstance(self.num_micro_batch, bool):
             raise ConfigError(f"num_micro_batch must be an int, got {self.num_micro_batch!r}")
         if self.num_micro_batch < 1:
@@ -196,6 +204,9 @@ class Config:
             raise ConfigError(f"schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: the "
                               "interleaved schedule needs virtual_stages >= 2 and virtual_stages >= 2 needs "
                               "schedule='Interleaved1F1B'; set both or neither")
+
+    def _check_numerics(self) -> None:
+        """Capture, ZeRO stage, precision, loss scaling and gradient buckets."""
         if self.capture not in ("auto", "export", "fx"):
             raise ConfigError(f"capture={self.capture!r} is unknown; choose 'auto', 'export' or 'fx'")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -207,6 +218,9 @@ class Config:
             raise ConfigError(f"loss_scale={self.loss_scale!r} must be a whale.LossScale")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb={self.bucket_cap_mb} must be > 0 (MiB per all-reduce bucket)")
+
+    def _check_balance_and_memory(self) -> None:
+        """Load shares, re-balancing, clipping, checkpointing, forbidden techniques, memory tracking, offload."""
         if self.load_shares is not None:
             shares = tuple(self.load_shares)
             if not shares or any(not (float(s) > 0) for s in shares):
@@ -229,6 +243,9 @@ class Config:
                               "the host while ZeRO-1/2 keep them whole on the device; use offload='optimizer' "
                               "(each lane offloads its slice of the optimizer state), zero=3 (the parameter "
                               "shards stay on the host) or zero=0")
+
+    def _check_runtime(self) -> None:
+        """Timeout, auto planning, the non-finite policy, sequence parallelism and the backend."""
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0, or None for the "
                               "default collective timeout (600 s)")
