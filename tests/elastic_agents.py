@@ -168,21 +168,28 @@ def reference_run(d: Path, steps: int, ckpt_every: int, switch_at: int, data_dir
     return {"rc4": first[0], "rc2": second[0], "log4": first[1], "log2": second[1]}
 
 
+def phase_cluster(d: Path, i: int, names) -> tuple[Path, str | None]:
+    """The cluster spec and node name of phase ``i`` on spec nodes ``names`` (ranks numbered in that order): one
+    node is the full spec cut to it by ``WHALE_NODE``; several are a spec of those nodes written under ``d``."""
+    if len(names) == 1:
+        return SPEC, names[0]
+    spec = ClusterSpec.from_yaml(SPEC)
+    nodes = {n.name: n for n in spec.nodes}
+    path = d / f"spec{i}.yaml"
+    path.write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in names)).to_yaml())
+    return path, None
+
+
 def phases_run(d: Path, steps: int, ckpt_every: int, data_dir: str, phases, timeout: float = 600) -> list:
     """A run without failure through fixed memberships: each phase ``(nodes, stop_after)`` trains on those spec
     nodes (ranks numbered in that order; ``stop_after`` None: to ``steps``) from the previous phase's checkpoint.
     Returns ``[(exit code, log)]`` by phase; stops at the first failing phase."""
-    spec = ClusterSpec.from_yaml(SPEC)
-    nodes = {n.name: n for n in spec.nodes}
     d.mkdir(parents=True, exist_ok=True)
     out = []
     for i, (names, stop_after) in enumerate(phases):
-        launch = [sys.executable, "-m", "whale.cli", "launch", "-n", str(2 * len(names))]
-        if len(names) == 1:  # one node: the full spec cut to it by WHALE_NODE
-            launch += ["--cluster", str(SPEC), "--node-name", names[0]]
-        else:
-            (d / f"spec{i}.yaml").write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in names)).to_yaml())
-            launch += ["--cluster", str(d / f"spec{i}.yaml")]
+        spec, node = phase_cluster(d, i, names)
+        launch = [sys.executable, "-m", "whale.cli", "launch", "-n", str(2 * len(names)), "--cluster", str(spec),
+                  *(["--node-name", node] if node else [])]
         stop = ["--stop-after", str(stop_after)] if stop_after is not None else []
         job = Agent([*launch, *job_args(d, steps, ckpt_every, data_dir), *stop], f"phase{i}")
         out.append((job.wait(timeout), job.text()))

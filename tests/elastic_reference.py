@@ -12,13 +12,11 @@ identical losses and parameters.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
 from tests import elastic_agents as ea
 from tests.distributed import run_ranks
-from whale.cluster import ClusterSpec
 
 _CLEARED = ("WHALE_NODE", "WHALE_NNODES", "TORCHELASTIC_RESTART_COUNT", "GROUP_WORLD_SIZE")
 """Environment a phase's ranks must not inherit from the test process (they are set per phase where needed)."""
@@ -43,17 +41,11 @@ def phases_ranks(d: Path, steps: int, ckpt_every: int, data_dir: str, phases, ti
     those spec nodes (2 ranks per node, numbered in that order; ``stop_after`` None: to ``steps``) from the previous
     phase's checkpoint in ``d``. Returns ``[(exit code, '')]`` by phase (rank 0's code; output goes to the test's
     captured output); a failing rank raises ``RuntimeError`` with its traceback."""
-    spec = ClusterSpec.from_yaml(ea.SPEC)
-    nodes = {n.name: n for n in spec.nodes}
     d.mkdir(parents=True, exist_ok=True)
     out = []
     for i, (names, stop_after) in enumerate(phases):
-        if len(names) == 1:  # one node: the full spec cut to it by WHALE_NODE, as `whale launch --node-name`
-            env = {"WHALE_CLUSTER": str(ea.SPEC), "WHALE_NODE": names[0]}
-        else:
-            path = d / f"spec{i}.yaml"
-            path.write_text(dataclasses.replace(spec, nodes=tuple(nodes[k] for k in names)).to_yaml())
-            env = {"WHALE_CLUSTER": str(path)}
+        spec, node = ea.phase_cluster(d, i, names)
+        env = {"WHALE_CLUSTER": str(spec), **({"WHALE_NODE": node} if node else {})}
         argv = ea.job_args(d, steps, ckpt_every, data_dir)[1:]
         argv += ["--stop-after", str(stop_after)] if stop_after is not None else []
         codes = run_ranks(_phase, 2 * len(names), env, argv, timeout=timeout)
