@@ -18,10 +18,12 @@ weighted by rows / global batch). torch computes ``F.mse_loss`` (a per-sample me
 are those of the mean of the micro-batch losses; micro-batches have equal rows, so that mean is the global
 batch mean, and torch's step loss is reported as ``mean(losses)`` from its last stage.
 
-Steps are paired in ABBA order (Whale, torch, then torch, Whale, ...) so host drift hits both alike; each step is
-timed between barriers on both ranks. ``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's
-step seconds / Whale's (goal >= 1.0), with its interquartile range and ``goal_met`` (``"unclear"`` when the
-IQR straddles 1.0), by :func:`benchmarks._paired.summary`.
+Blocks of ``--block`` consecutive steps (4) are paired in ABBA order (Whale's block, torch's, then torch's,
+Whale's, ...) so host drift hits both alike; each block is timed between barriers on both ranks and gives seconds
+per step, so one step's millisecond jitter (a 20 ms step of the tiny model) is averaged over the block.
+``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's step seconds / Whale's
+(goal >= 1.0), with its interquartile range and ``goal_met`` (``"unclear"`` when the IQR straddles 1.0), by
+:func:`benchmarks._paired.summary`.
 Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
 schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
 (the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` +
@@ -133,17 +135,19 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
     losses: dict[str, list] = {"whale": [], "torch": []}
     spans: list[tuple[float, float]] = []
     runners = {"whale": whale_step, "torch": torch_step}
-    for i in range(args.warmup + args.steps):
+    k = args.block
+    for i in range(args.warmup + args.steps // k):
         order = ("whale", "torch") if i % 2 == 0 else ("torch", "whale")
         for name in order:
-            seconds, loss = _timed(lambda n=name: runners[n](x, y))
-            if name == "whale":
-                loss, busy, window = loss
-                if i >= args.warmup:
-                    spans.append((busy, window))
-            losses[name].append([float(v.detach()) for v in loss] if isinstance(loss, list) else loss)
+            seconds, outs = _timed(lambda n=name: [runners[n](x, y) for _ in range(k)])
+            for loss in outs:
+                if name == "whale":
+                    loss, busy, window = loss
+                    if i >= args.warmup:
+                        spans.append((busy, window))
+                losses[name].append([float(v.detach()) for v in loss] if isinstance(loss, list) else loss)
             if i >= args.warmup:
-                times[name].append(seconds)
+                times[name].append(seconds / k)
     torch_losses = [statistics.fmean(ls) for ls in losses["torch"]] if rank == world - 1 else None
     gathered = [None] * world
     dist.all_gather_object(gathered, (torch_losses, spans))
@@ -220,12 +224,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny-rows", type=int, default=512, help="rows per micro-batch of the tiny model")
     p.add_argument("--dim", type=int, default=512, help="the larger model's width")
     p.add_argument("--rows", type=int, default=256, help="rows per micro-batch of the larger model")
-    p.add_argument("--steps", type=int, default=60, help="timed steps per framework and case")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=120, help="timed steps per framework and case")
+    p.add_argument("--block", type=int, default=4, help="consecutive steps of one framework per timed unit: a "
+                   "pair compares two blocks (seconds per step), so one step's jitter is averaged over the block")
+    p.add_argument("--warmup", type=int, default=2, help="discarded pairs of blocks")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.block < 1 or args.steps < args.block or args.steps % args.block:
+        p.error(f"--steps {args.steps} must be a positive multiple of --block {args.block} (steps per timed block)")
+    return args
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ import json
 
 from tests.distributed import run_ranks
 
-ARGV = ["--tiny-dim", "16", "--tiny-rows", "8", "--dim", "32", "--rows", "8", "--steps", "2", "--warmup", "1"]
+ARGV = ["--tiny-dim", "16", "--tiny-rows", "8", "--dim", "32", "--rows", "8", "--steps", "4", "--block", "2",
+        "--warmup", "1"]
 
 
 def _worker(rank, world, args):
@@ -29,7 +30,7 @@ def test_whale_and_torch_pipelining_agree(tmp_path):
                                                            for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1")]
     for r in results:
         assert abs(r["first_loss_whale"] - r["first_loss_torch"]) <= 1e-5 * abs(r["first_loss_torch"])
-        assert len(r["losses_whale"]) == len(r["losses_torch"]) == 3  # warmup + timed steps, both frameworks
+        assert len(r["losses_whale"]) == len(r["losses_torch"]) == 6  # (1 warm-up + 2 timed) blocks of 2 steps each
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved == json.loads(json.dumps(report))
     assert saved["args"]["micro_batches"] == 4
@@ -39,4 +40,4 @@ def test_whale_and_torch_pipelining_agree(tmp_path):
                     "whale_idle_share", "theory_idle_share"):
             assert key in r
         assert r["whale_step_s"] > 0 and r["torch_step_s"] > 0
-        assert len(r["raw_step_s"]["whale"]) == len(r["raw_step_s"]["torch"]) == 2
+        assert len(r["raw_step_s"]["whale"]) == len(r["raw_step_s"]["torch"]) == 2  # seconds per step, per block
