@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from whale.plan.schedule import (ScheduleError, format_schedule, interleaved_1f1b, max_in_flight, simulate_lanes,
-                                 validate)
-from whale.plan.schedule_chunks import (chunked_1f1b, counts_of, positions_from_counts, round_robin,
-                                        schedule_for)
+from whale.plan import schedule as sch
+from whale.plan.schedule_chunks import chunked_1f1b, counts_of, positions_from_counts, round_robin, schedule_for
+
+ScheduleError, interleaved_1f1b, simulate_lanes = sch.ScheduleError, sch.interleaved_1f1b, sch.simulate_lanes
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
@@ -33,7 +33,7 @@ def test_every_map_is_complete_and_deadlock_free():
                     continue
                 for m in (p, 2 * p):
                     sched = chunked_1f1b(pos, m)
-                    validate(sched, m, pos)
+                    sch.validate(sched, m, pos)
                     assert [len(acts) for acts in sched] == [2 * m * k for k in counts_of(pos)]
                     built += 1
     assert built > 1000
@@ -52,7 +52,7 @@ def test_counts_give_a_round_robin_over_the_positions_left():
 def test_three_chunks_on_one_position_warm_up_from_its_chunks():
     """Counts (3, 1), 2 micro-batches: position 0 runs its chunks depth first (the hand-off from chunk 2 to 3
     is local), position 1 its one chunk."""
-    text = format_schedule(chunked_1f1b(positions_from_counts((3, 1)), 2))
+    text = sch.format_schedule(chunked_1f1b(positions_from_counts((3, 1)), 2))
     assert text == ("stage 0: F0 F1 F0c1 F1c1 F0c2 B0c2 F1c2 B1c2 B0c1 B1c1 B0 B1\n"
                     "stage 1: F0 F1 B0 B1")
 
@@ -75,8 +75,8 @@ def test_the_simulator_times_a_local_hand_off_as_free():
 
 def test_memory_of_a_position_follows_its_own_chunks():
     sched = chunked_1f1b(positions_from_counts((3, 1)), 2)
-    assert max_in_flight(sched[0]) == 5 and max_in_flight(sched[1]) == 2
-    assert max_in_flight(sched[0], [1.0, 2.0, 4.0]) == 1 + 1 + 2 + 2 + 4
+    assert sch.max_in_flight(sched[0]) == 5 and sch.max_in_flight(sched[1]) == 2
+    assert sch.max_in_flight(sched[0], [1.0, 2.0, 4.0]) == 1 + 1 + 2 + 2 + 4
 
 
 def test_bad_maps_are_one_line_errors():
