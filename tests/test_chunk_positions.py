@@ -41,7 +41,7 @@ def test_the_map_is_a_validated_serialized_field():
 def test_the_printout_shows_chunks_per_stage():
     text = str(dataclasses.replace(_plan(), chunk_positions=(0, 1, 0, 0)))
     assert "with 3+1 chunks per stage (TaskGraph c on stage chunk_positions[c] = [0, 1, 0, 0])" in text
-    assert "stage 0: 3 chunks: 0, 2, 3" in text and "stage 1: 1 chunks: 1" in text
+    assert "stage 0: 3 chunks: 0, 2, 3" in text and "stage 1: 1 chunk: 1" in text
     assert "chunk 3 (stage 0)" in text
     assert "stage 0: 2 chunks: 0, 2" in str(_plan())
 

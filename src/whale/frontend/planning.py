@@ -160,13 +160,14 @@ def _interleaved_hardware(plan: Plan, model: nn.Module, prof, cluster, config: C
                           speed_cut: hwplan.UnitCut | None) -> Plan:
     """An interleaved plan balanced for ``cluster``: lane shares by speed, FLOPs per position (its chunks
     together) and, when the chunk planner cut it, each rank's predicted bytes (its position's chunks)."""
-    plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
     chunk_flops = hwplan.stage_flops(prof, hwplan.stage_param_names(plan.stage_cuts, model), plan.stage_cuts)
     flops = tuple(sum(chunk_flops[c] for c in plan.chunks_of(s)) for s in range(plan.num_stages))
+    plan = dataclasses.replace(plan, stage_flops=flops)  # before apply_hardware: the busy shares follow the cut
+    plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
     memory = ()
     if speed_cut is not None and speed_cut.position_bytes:
         memory = tuple(speed_cut.position_bytes[plan.coords(r)[0]] for r in range(plan.world_size))
-    return dataclasses.replace(plan, stage_flops=flops, predicted_memory=memory)
+    return dataclasses.replace(plan, predicted_memory=memory)
 
 
 def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:

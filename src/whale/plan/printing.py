@@ -139,7 +139,8 @@ def _stage_chunk_rows(plan: Plan) -> list[str]:
             units = plan.stage_cuts[c].units if c < len(plan.stage_cuts) else ()
             span = units[0] if len(units) == 1 else f"{units[0]}..{units[-1]}" if units else ""
             parts.append(f"{c} (units {span})" if units else str(c))
-        rows += _wrapped(f"stage {s}{f' ({kinds})' if kinds else ''}: {len(parts)} chunks: ", parts)
+        many = f"{len(parts)} chunk" + "s" * (len(parts) != 1)
+        rows += _wrapped(f"stage {s}{f' ({kinds})' if kinds else ''}: {many}: ", parts)
     return rows
 
 

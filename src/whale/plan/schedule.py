@@ -233,7 +233,7 @@ def validate(schedule: Schedule, num_micro_batch: int, positions: tuple[int, ...
             if before is not None and (before, a.chunk, a.mb) not in seen:
                 raise ScheduleError(f"stage {s}: {a} comes before {Action(before, a.mb, a.chunk)}")
             seen.add((a.kind, a.chunk, a.mb))
-    _simulate_order(schedule, positions)
+    completion_order(schedule, positions)
 
 
 def chunk_ids(schedule: Schedule, positions: tuple[int, ...] | None = None) -> list[list[int]]:
@@ -251,9 +251,10 @@ def chunk_ids(schedule: Schedule, positions: tuple[int, ...] | None = None) -> l
     return ids
 
 
-def _simulate_order(schedule: Schedule, positions: tuple[int, ...] | None = None) -> list[tuple[int, Action]]:
-    """Run the schedule in lock-step rounds; return the global completion order or raise on deadlock. A forward
-    of model chunk g waits for g - 1's, a backward for g + 1's (W for nothing: validate checks its B)."""
+def completion_order(schedule: Schedule, positions: tuple[int, ...] | None = None) -> list[tuple[int, Action]]:
+    """Run the schedule in lock-step rounds; return the global completion order ``[(stage, action)]`` or raise
+    :class:`ScheduleError` on deadlock. A forward of model chunk g waits for g - 1's, a backward for g + 1's (W
+    for nothing: validate checks its B)."""
     ids = chunk_ids(schedule, positions)
     last = sum(map(len, ids)) - 1
     pos = [0] * len(schedule)
@@ -324,7 +325,8 @@ def _action_cost(a: Action, share: tuple[float, float], split: bool, f: float, b
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
                    comm: list[list[float]], peers: list[list[list[int]]] | None = None,
                    chunk_shares: list[list[tuple[float, float]]] | None = None,
-                   weight: list[list[list[float]]] | None = None, positions: tuple[int, ...] | None = None) -> dict:
+                   weight: list[list[list[float]]] | None = None, positions: tuple[int, ...] | None = None,
+                   order: list[tuple[int, Action]] | None = None) -> dict:
     """Event simulation of one step's schedule over every (stage, lane) rank.
 
     Args:
@@ -344,6 +346,8 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
             the B pass's seconds (default: B and W take half of ``bwd`` each).
         positions: the model chunk -> stage map of an interleaved schedule whose stages hold different chunk
             counts (:mod:`whale.plan.schedule_chunks`; default round-robin, :func:`chunk_ids`).
+        order: the schedule's completion order (:func:`completion_order`), for callers that simulate one schedule
+            many times (it does not depend on the costs); computed when not given.
 
     A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
     asynchronous), a backward likewise from the next virtual stage, a W when its rank is free. Returns ``{"end":
@@ -376,7 +380,7 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     finish: dict[tuple[int, int, str, int], float] = {}  # (model chunk, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []
-    for s, a in _simulate_order(schedule, positions):
+    for s, a in order if order is not None else completion_order(schedule, positions):
         g = ids[s][a.chunk]
         for lane in range(lanes[s]):
             w = weight[s][lane][a.mb] if weight is not None else None

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whale.plan.schedule import max_in_flight, simulate_lanes
+from whale.plan.schedule import completion_order, max_in_flight, simulate_lanes
 from whale.plan.schedule_chunks import positions_from_counts, schedule_for
 from whale.planner.balance import InfeasiblePlanError
 from whale.planner.placement import compositions
@@ -75,8 +75,9 @@ class VirtualCut:
 
 
 SEARCH_BUDGET = 20000
-"""Simulated steps the exact search may evaluate (about 10 s on one core); past it every open branch follows only
-its most promising option, so a cut is still found, and :attr:`VirtualCut.exact` says it is not proven optimal."""
+"""Simulated steps each phase of the exact search may evaluate (about 4 s on one core); past it every open branch
+follows only its most promising option and no further chunk counts are tried (:func:`plan_virtual_stages`), so a
+cut is still found, and :attr:`VirtualCut.exact` says it is not proven optimal."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class _Evaluator:
         self.positions = positions_from_counts(counts)
         self.local = [self.positions[:c].count(q) for c, q in enumerate(self.positions)]  # chunk -> local index
         self.schedule = schedule_for("Interleaved1F1B", pb.positions, pb.micro_batches, pb.virtual, self.positions)
+        self.order = completion_order(self.schedule, self.positions)  # fixed: it does not depend on the times
         self.types = [[t for t, k in enumerate(g) if k] for g in groups]
         self.cap = [min(pb.type_capacity[t] for t in ts) for ts in self.types]
         self.pre = {name: _prefix(rows) for name, rows in (("f", pb.unit_fwd), ("b", pb.unit_bwd))}
@@ -171,7 +173,7 @@ class _Evaluator:
         shares = [[(x / tf[s] if tf[s] else 0.0, y / tb[s] if tb[s] else 0.0) for x, y in zip(f[s], b[s], strict=True)]
                   for s in range(len(self.counts))]
         out = simulate_lanes(self.schedule, [[[t] * m] for t in tf], [[[t] * m] for t in tb],
-                             [[0.0] for _ in tf], chunk_shares=shares, positions=self.positions)
+                             [[0.0] for _ in tf], chunk_shares=shares, positions=self.positions, order=self.order)
         return max(end for lanes in out["end"] for end in lanes)
 
 
@@ -236,14 +238,14 @@ def _branch(ev: _Evaluator, n: int, chunks: int, best: list, spent: list[int], b
 
 def count_vectors(pb: VirtualProblem) -> list[tuple[int, ...]]:
     """The chunks-per-position vectors searched: ``(v, ..., v)`` first, then (with ``vary_counts``) every other
-    way of giving the ``p * v`` chunks to the p positions, each at least one, in lexicographic order."""
+    way of giving the ``p * v`` chunks to the p positions, each at least one, nearest the even counts first
+    (by the sum of ``|k_s - v|``, then in lexicographic order)."""
     p, v = pb.positions, pb.virtual
-    even = (v,) * p
     if not pb.vary_counts:
-        return [even]
+        return [(v,) * p]
     cuts = itertools.combinations(range(1, p * v), p - 1)
     every = [tuple(b - a for a, b in zip((0, *c), (*c, p * v), strict=True)) for c in cuts]
-    return [even, *(k for k in sorted(every) if k != even)]
+    return sorted(every, key=lambda k: (sum(abs(x - v) for x in k), k))
 
 
 def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> VirtualCut:
@@ -251,9 +253,15 @@ def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> Virt
     minimizing the interleaved schedule's predicted step time within memory (exact within ``budget`` simulated
     steps; see the module docstring for the model and the algorithm).
 
+    The search runs in two phases, each with ``budget`` simulated steps: every group sequence with v chunks per
+    position (the round-robin placement), then, with ``pb.vary_counts``, every other count vector on every group
+    sequence; past its budget a phase follows only the most promising option of each open branch and the second
+    stops trying further count vectors (the cut is then marked not exact), so varying the counts costs at most
+    about ``budget`` more simulated steps than the even search.
+
     Returns:
-        The optimal :class:`VirtualCut`; among equal steps, the first group sequence of
-        :func:`group_sequences` reaching it, and for it the first of :func:`count_vectors` (equal counts first).
+        The optimal :class:`VirtualCut`; among equal steps, v chunks each over other counts, then the first
+        group sequence of :func:`group_sequences` (and count vector of :func:`count_vectors`) reaching it.
 
     Raises:
         ValueError: inconsistent input (:meth:`VirtualProblem.check`).
@@ -263,16 +271,21 @@ def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> Virt
     pb.check()
     n, chunks = len(pb.unit_fwd), pb.positions * pb.virtual
     best: list = [math.inf, None, None]
-    spent = [0]
-    for groups in group_sequences(pb):
-        for counts in count_vectors(pb):
-            _branch(_Evaluator(pb, groups, counts), n, chunks, best, spent, budget)
+    spent, seqs, (even, *others) = [0], group_sequences(pb), count_vectors(pb)
+    for groups in seqs:  # phase 1: v chunks each (the round-robin placement)
+        _branch(_Evaluator(pb, groups, even), n, chunks, best, spent, budget)
+    exact, limit = spent[0] <= budget, spent[0] + budget
+    for counts, groups in itertools.product(others, seqs):  # phase 2: other counts, with a budget of their own
+        if spent[0] > limit:
+            exact = False
+            break
+        _branch(_Evaluator(pb, groups, counts), n, chunks, best, spent, limit)
     if best[1] is None:
         _infeasible(pb, n, chunks)
     ev = best[2]
     ends = best[1]
     sizes = tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
-    return VirtualCut(sizes, ev.groups, best[0], tuple(ev.memory(ends)), spent[0] <= budget, ev.positions)
+    return VirtualCut(sizes, ev.groups, best[0], tuple(ev.memory(ends)), exact and spent[0] <= limit, ev.positions)
 
 
 def _infeasible(pb: VirtualProblem, n: int, chunks: int) -> None:
