@@ -4,12 +4,15 @@ or receive) and the T4's stage 1; losses and parameters after 3 AdamW steps equa
 (fp32, rtol 1e-5 / atol 1e-6; gloo ranks of :mod:`tests.distributed`, CPU ranks imitating the declared speeds).
 At world 4 (2 H100 + 2 T4) the same map runs on 2 data-parallel lanes. A given map (0, 1, 0, 0), whose
 activations go to stage 1 and back before a local hand-off and whose loss is computed on stage 0, runs from a
-plan as well (SGD with momentum)."""
+plan as well (SGD with momentum), and its step trace carries the simulator's prediction of that schedule."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import tempfile
 
 import pytest
 import torch
@@ -63,6 +66,9 @@ def _train(rank, world, given=False):
         ref_opt.step()
         ref_losses.append(loss.item())
     full = engine.full_state_dict()
+    trace = wh.write_step_trace(engine, os.path.join(tempfile.mkdtemp(), "trace.json")) if given else None
+    predicted = sum(e.get("pid", 0) >= 1000 and e.get("ph") == "X" for e in json.load(open(trace))["traceEvents"]) \
+        if trace else 0
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     diff = 0.0
     for name, value in (ref.state_dict().items() if rank == 0 else ()):
@@ -70,7 +76,7 @@ def _train(rank, world, given=False):
         diff = max(diff, (full[name] - value).abs().max().item())
     return {"plan": engine.plan.to_json(), "labels": sorted(t[0] for t in engine.last_timeline),
             "stage": engine.stage, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-            "param_diff": diff}
+            "param_diff": diff, "predicted": predicted}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -92,5 +98,6 @@ def test_a_given_map_with_a_round_trip_before_a_local_hand_off_matches_one_proce
     plan = wh.Plan.from_json(results[0]["plan"])
     assert plan.chunk_positions == (0, 1, 0, 0)
     assert sorted(len(r["labels"]) for r in results) == [2 * 4 * 1, 2 * 4 * 3]
+    assert results[0]["predicted"] == 2 * 4 * 4  # the trace's predicted step: F and B of 4 chunks x 4 micro-batches
     print(f"map (0, 1, 0, 0): max |loss diff| {max(r['loss_diff'] for r in results):.2e}, "
           f"max |param diff| {results[0]['param_diff']:.2e}")
