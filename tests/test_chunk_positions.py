@@ -31,7 +31,7 @@ def test_the_map_is_a_validated_serialized_field():
     assert schedule_for(plan.schedule, 2, 2, 2, plan.chunk_positions) == chunked_1f1b((0, 1, 0, 0), 2)
     rr = _plan()
     assert rr.chunk_positions == () and [rr.position_of(c) for c in range(4)] == [0, 1, 0, 1]
-    for bad in ((0, 1, 0), (0, 0, 0, 0), (0, 1, 2, 0)):
+    for bad in ((0, 1, 0), (0, 0, 0, 0), (0, 1, 2, 0), (1, 0, 0, 0)):
         with pytest.raises(wh.PlanError, match="chunk_positions"):
             dataclasses.replace(rr, chunk_positions=bad)
     with pytest.raises(wh.PlanError, match="chunk_positions"):

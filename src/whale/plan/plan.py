@@ -224,8 +224,8 @@ class Plan(_Checked, PlanLayout, PlanChecks):
             and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
             ``shared_params`` then name pipeline stages (rank positions).
         chunk_positions: interleaved plans whose stages hold different chunk counts: the pipeline stage of each
-            of the ``p * v`` chunks (model order; every stage at least one; ``v`` on average), run by
-            :func:`whale.plan.schedule_chunks.chunked_1f1b`; empty = round-robin, chunk c on stage ``c % p``.
+            of the ``p * v`` chunks (model order; every stage at least one, chunk 0 on stage 0; ``v`` on average),
+            run by :func:`whale.plan.schedule_chunks.chunked_1f1b`; empty = round-robin, chunk c on stage ``c % p``.
         sequence_parallel: split regions whose rule supports it run on sequence shards
             (:mod:`whale.parallel.seqpar`).
     """

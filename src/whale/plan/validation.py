@@ -144,11 +144,13 @@ class PlanChecks:
                   "interleaved stage are not", "use zero=1 or 2 with virtual_stages > 1, or virtual_stages=1")
 
     def _validate_chunk_positions(self) -> None:
-        """One stage per chunk, every stage ``0..p-1`` holding at least one (interleaved plans)."""
+        """One stage per chunk, every stage ``0..p-1`` holding at least one, chunk 0 (the model's inputs) on stage 0
+        (interleaved plans)."""
         pos, p, n = self.chunk_positions, self.num_stages, len(self.task_graphs)
-        if pos and (len(pos) != n or sorted(set(pos)) != list(range(p))):
+        if pos and (len(pos) != n or sorted(set(pos)) != list(range(p)) or pos[0] != 0):
             _fail("chunk_positions", list(pos), f"must give each of the {n} chunks a stage in 0..{p - 1}, every "
-                  "stage at least one chunk", "re-plan with wh.plan_model, or leave it [] for round-robin")
+                  "stage at least one chunk and chunk 0 stage 0 (it takes the model's inputs)",
+                  "re-plan with wh.plan_model, or leave it [] for round-robin")
 
     def _validate_cut_modules(self) -> None:
         """A pipeline's TaskGraph s lists modules whose tensors stage s's cut holds: a module listed under
