@@ -81,7 +81,7 @@ def test_a_fast_device_holds_more_chunks_when_that_is_faster():
     cut = plan_virtual_stages(pb)
     even = plan_virtual_stages(dataclasses.replace(pb, vary_counts=False))
     fast = 0 if cut.groups[0] == (1, 0) else 1
-    assert cut.chunks_per_position[fast] == 3 and cut.step < even.step
+    assert cut.chunks_per_position[fast] == 3 and (cut.step, even.step) == (42.0, 45.0)  # as docs/pipelines-...
     assert cut.step == pytest.approx(brute_force(pb)) and even.chunks_per_position == (2, 2)
 
 
