@@ -1,8 +1,10 @@
 """Hardware-aware virtual stages (:mod:`whale.planner.virtual`): exact against brute force on random small
-instances, monotone in speed, memory respected, and the bad-input errors."""
+instances (also when the chunks per position vary), monotone in speed, memory respected, a fast device holding
+more chunks, and the bad-input errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -47,6 +49,42 @@ def test_exact_against_brute_force_on_random_small_instances():
     assert worst == pytest.approx(1.0, rel=1e-12), f"worst ratio {worst}"
 
 
+def test_chunk_counts_exact_against_brute_force_on_random_small_instances():
+    """With ``vary_counts`` the search also picks the chunks per position: worst ratio of the planner's step
+    over the brute-force optimum (every group sequence, count vector, the even one among them, and cut) over 48
+    instances (a third with tight memory) is 1.0, and infeasible exactly when brute force finds nothing."""
+    rng = random.Random(1)
+    worst, solved, uneven = 0.0, 0, 0
+    for k in range(48):
+        pb = dataclasses.replace(_random(rng, memory=k % 3 == 0), vary_counts=True)
+        best = brute_force(pb)
+        if best == float("inf"):
+            with pytest.raises(InfeasiblePlanError):
+                plan_virtual_stages(pb)
+            continue
+        cut = plan_virtual_stages(pb)
+        assert sorted(cut.positions) == sorted(s for s, k in enumerate(cut.chunks_per_position) for _ in range(k))
+        assert min(cut.chunks_per_position) >= 1 and sum(cut.counts) == len(pb.unit_fwd)
+        worst = max(worst, cut.step / best)
+        solved += 1
+        uneven += len(set(cut.chunks_per_position)) > 1
+    print(f"chunk counts: worst ratio {worst} over {solved} solved instances ({uneven} with unequal counts)")
+    assert solved >= 30 and uneven >= 2
+    assert worst == pytest.approx(1.0, rel=1e-12), f"worst ratio {worst}"
+
+
+def test_a_fast_device_holds_more_chunks_when_that_is_faster():
+    """8 equal layers, a device three times faster than the other, 2 positions x 2 chunks, 2 micro-batches:
+    the fast position holds 3 chunks (the last hand-off local) and the step beats every even-count cut."""
+    pb = VirtualProblem([[1.0, 3.0]] * 8, [[2.0, 6.0]] * 8, [0.0] * 8, [0.0] * 8, [1, 1], [1.0, 1.0], 2, 2, 2,
+                        vary_counts=True)
+    cut = plan_virtual_stages(pb)
+    even = plan_virtual_stages(dataclasses.replace(pb, vary_counts=False))
+    fast = 0 if cut.groups[0] == (1, 0) else 1
+    assert cut.chunks_per_position[fast] == 3 and (cut.step, even.step) == (42.0, 45.0)  # as docs/pipelines-...
+    assert cut.step == pytest.approx(brute_force(pb)) and even.chunks_per_position == (2, 2)
+
+
 def test_a_fast_device_gets_more_layers_and_positions_follow_speed():
     """Two positions, one twice as fast: its chunks hold more of 12 equal layers than the slow one's."""
     pb = VirtualProblem([[1.0, 2.0]] * 12, [[2.0, 4.0]] * 12, [0.0] * 12, [0.0] * 12, [1, 1], [1.0, 1.0], 2, 2, 4)
@@ -77,3 +115,6 @@ def test_past_the_search_budget_a_cut_is_still_found_and_marked_not_exact():
     cut = plan_virtual_stages(pb, budget=5)
     assert not cut.exact and sum(cut.counts) == 12 and cut.step >= brute_force(pb)
     assert plan_virtual_stages(pb).exact
+    vary = dataclasses.replace(pb, vary_counts=True)  # the chunk counts' phase has a budget of its own
+    cut = plan_virtual_stages(vary, budget=5)
+    assert not cut.exact and sum(cut.chunks_per_position) == 4 and cut.step >= brute_force(vary)

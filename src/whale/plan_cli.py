@@ -17,7 +17,8 @@ import sys
 from whale.config import FORBIDDEN, Config
 from whale.frontend.planning import plan_model
 from whale.plan.plan import OFFLOADS
-from whale.plan.schedule import RUNNABLE_SCHEDULES, format_schedule, make_schedule
+from whale.plan.schedule import RUNNABLE_SCHEDULES, format_schedule
+from whale.plan.schedule_chunks import schedule_for
 from whale.planner.desc_cli import add_desc_args, run_desc
 
 
@@ -153,7 +154,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     print(plan.to_json(indent=2) if ns.json else plan)
     if not ns.json and plan.is_pipeline:
         print("schedule (per stage):")
-        print(format_schedule(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch)))
+        print(format_schedule(schedule_for(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages,
+                                           plan.chunk_positions)))
     if ns.out:
         with open(ns.out, "w") as f:
             f.write(plan.to_json(indent=2) + "\n")

@@ -34,6 +34,7 @@ class UnitCut:
     device_order: tuple[int, ...] = ()
     note: str = ""
     position_bytes: tuple[float, ...] = ()  # interleaved cuts: bytes per pipeline position the planner predicts
+    chunk_positions: tuple[int, ...] = ()  # interleaved cuts of different chunk counts: each chunk's position
 
 
 def sample_rows(sample_batch) -> int:

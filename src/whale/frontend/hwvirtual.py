@@ -12,6 +12,7 @@ from whale.config import Config
 from whale.frontend.hwplan import UnitCut, cut_by_counts, device_types, placement_order
 from whale.frontend.profile import ModelProfile
 from whale.plan.plan import Plan
+from whale.plan.schedule_chunks import round_robin
 from whale.planner.virtual import VirtualCut, VirtualProblem, plan_virtual_stages
 
 
@@ -31,13 +32,12 @@ def virtual_problem(prof: ModelProfile, layout: Plan, cluster: ClusterSpec, conf
     return VirtualProblem([[f / s for s in types.speeds] for f in fwd], [[b / s for s in types.speeds] for b in bwd],
                           [float(u.static_bytes) for u in units], [u.activation_bytes * rows for u in units],
                           [len(r) for r in types.ranks], list(types.capacity), layout.num_stages,
-                          layout.virtual_stages, config.num_micro_batch, layout.lanes_of(0))
+                          layout.virtual_stages, config.num_micro_batch, layout.lanes_of(0), vary_counts=True)
 
 
 def _note(names: tuple[str, ...], cut: VirtualCut, units: list[list[str]]) -> str:
-    p = len(cut.groups)
     pos = "; ".join(f"stage {s}: {' + '.join(f'{k} x {names[t]}' for t, k in enumerate(g) if k)}, chunks "
-                    + ", ".join(f"{c} ({len(units[c])} unit(s))" for c in range(s, len(units), p))
+                    + ", ".join(f"{c} ({len(units[c])} unit(s))" for c, q in enumerate(cut.positions) if q == s)
                     for s, g in enumerate(cut.groups))
     how = "exact" if cut.exact else "search budget reached: the best cut found, not proven optimal"
     return (f"interleaved placement (chunk cut and device types chosen together, {how}): {pos}; predicted step "
@@ -46,8 +46,9 @@ def _note(names: tuple[str, ...], cut: VirtualCut, units: list[list[str]]) -> st
 
 def interleaved_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster: ClusterSpec, config: Config,
                     global_batch: int) -> UnitCut:
-    """Units per chunk and devices per position minimizing the interleaved schedule's predicted step within
-    memory; ``layout`` (the plan for identical devices) gives the positions, chunks, width and replicas.
+    """Units per chunk, chunks per position and devices per position minimizing the interleaved schedule's
+    predicted step within memory; ``layout`` (the plan for identical devices) gives the positions, the chunk
+    count (``p * v``), width and replicas.
 
     Raises:
         InfeasiblePlanError: no cut fits the devices' memory (names the position and the bytes).
@@ -55,5 +56,6 @@ def interleaved_cut(model: nn.Module, prof: ModelProfile, layout: Plan, cluster:
     types = device_types(cluster)
     cut = plan_virtual_stages(virtual_problem(prof, layout, cluster, config, global_batch))
     stage_of, names = cut_by_counts(model, list(prof.units), cut.counts)
+    even = cut.positions == round_robin(layout.num_stages, layout.virtual_stages)
     return UnitCut(stage_of, names, placement_order(layout, types, cut.groups), _note(types.names, cut, names),
-                   cut.peak_bytes)
+                   cut.peak_bytes, () if even else cut.positions)

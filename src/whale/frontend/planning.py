@@ -160,13 +160,14 @@ def _interleaved_hardware(plan: Plan, model: nn.Module, prof, cluster, config: C
                           speed_cut: hwplan.UnitCut | None) -> Plan:
     """An interleaved plan balanced for ``cluster``: lane shares by speed, FLOPs per position (its chunks
     together) and, when the chunk planner cut it, each rank's predicted bytes (its position's chunks)."""
-    plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
     chunk_flops = hwplan.stage_flops(prof, hwplan.stage_param_names(plan.stage_cuts, model), plan.stage_cuts)
-    flops = tuple(sum(chunk_flops[s::plan.num_stages]) for s in range(plan.num_stages))
+    flops = tuple(sum(chunk_flops[c] for c in plan.chunks_of(s)) for s in range(plan.num_stages))
+    plan = dataclasses.replace(plan, stage_flops=flops)  # before apply_hardware: the busy shares follow the cut
+    plan = apply_hardware(plan, cluster, None, keep_lane_weights=config.load_shares is not None)
     memory = ()
     if speed_cut is not None and speed_cut.position_bytes:
         memory = tuple(speed_cut.position_bytes[plan.coords(r)[0]] for r in range(plan.world_size))
-    return dataclasses.replace(plan, stage_flops=flops, predicted_memory=memory)
+    return dataclasses.replace(plan, predicted_memory=memory)
 
 
 def _fit(model: nn.Module, plan: Plan, cluster, config: Config, stage_mem, rows: int) -> Plan:
@@ -212,7 +213,8 @@ def _cut_and_plan(model, world_size, config, tg_scopes, stage_of, scopes, pipeli
     cut = cut_model(model, speed_cut.stage_of if speed_cut else stage_of, len(tg_scopes), leaves, units, spec)
     name_sets = [set(all_tensors(m)) for m in cut.modules]
     plan = make_plan(summaries(model, tg_scopes, name_sets, scopes), world_size, config,
-                     stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves)
+                     stage_cuts=cut.stage_cuts, shared_params=cut.shared_params, leaf_modules=leaves,
+                     chunk_positions=speed_cut.chunk_positions if speed_cut else ())
     plan = dataclasses.replace(plan, capture="export", capture_inputs=spec) if spec else plan
     if speed_cut is not None:  # the devices the placement chose for each stage (apply_hardware keeps them)
         plan = dataclasses.replace(plan, device_order=speed_cut.device_order,

@@ -32,6 +32,10 @@ class StageLinks:
         wrap_from, wrap_to: interleaved only: the rank of this lane on the last stage (whose chunk c - 1 feeds
             this rank's chunk c when this is stage 0) and on stage 0 (fed by this rank's chunk c when this is the
             last stage); -1 otherwise.
+        chunk_stages: interleaved with stages of different chunk counts (``Plan.chunk_positions``): the stage of
+            every model chunk; this rank's chunks are those on its stage, in model order, and a hand-off between
+            two chunks of one stage stays local. Empty otherwise.
+        lane_ranks: with ``chunk_stages``: this lane's rank on every stage.
 
     The neighbouring lanes (which can change with the batch size) come with each step's :class:`MicroBatches`.
     """
@@ -41,10 +45,25 @@ class StageLinks:
     chunks: int = 1
     wrap_from: int = -1
     wrap_to: int = -1
+    chunk_stages: tuple[int, ...] = ()
+    lane_ranks: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        """Model chunks of the pipeline."""
+        return len(self.chunk_stages) or self.chunks * self.num_stages
 
     def virtual(self, chunk: int) -> int:
-        """The virtual stage chunk ``chunk`` of this rank runs: ``chunk * num_stages + stage``."""
+        """The model chunk (virtual stage) that this rank's chunk ``chunk`` runs: ``chunk * num_stages + stage``,
+        or under ``chunk_stages`` this stage's ``chunk``-th chunk."""
+        if self.chunk_stages:
+            return [g for g, s in enumerate(self.chunk_stages) if s == self.stage][chunk]
         return chunk * self.num_stages + self.stage
+
+    def local(self, model_chunk: int) -> bool:
+        """True when model chunk ``model_chunk`` runs on this stage too (its hand-off stays on this rank)."""
+        return bool(self.chunk_stages) and 0 <= model_chunk < self.total and \
+            self.chunk_stages[model_chunk] == self.stage
 
     def first(self, chunk: int) -> bool:
         """True for the model's first chunk (takes the model's inputs)."""
@@ -52,7 +71,7 @@ class StageLinks:
 
     def last(self, chunk: int) -> bool:
         """True for the model's last chunk (computes the loss)."""
-        return self.virtual(chunk) == self.chunks * self.num_stages - 1
+        return self.virtual(chunk) == self.total - 1
 
     @property
     def is_first(self) -> bool:
@@ -125,6 +144,19 @@ class _InFlight:
     sent_meta: dict = field(default_factory=dict)  # per receiver, this step's first transfer's description
     sends: list = field(default_factory=list)
     segment: tuple = (0.0, 0.0)
+    handoff: dict = field(default_factory=dict)  # (model chunk, mb) -> inputs handed over on this rank
+
+
+@dataclass(frozen=True)
+class _LocalGrads:
+    """The gradients of outputs handed to the next chunk on the same rank: its input leaves' ``.grad`` after its
+    backward (zeros where autograd left none), in the order :func:`whale.parallel.p2p.post_grads` would post."""
+
+    leaves: tuple
+
+    def grads(self) -> list[torch.Tensor]:
+        return [v.grad if v.grad is not None else torch.zeros_like(v) for v in self.leaves
+                if isinstance(v, torch.Tensor) and v.requires_grad]
 
 
 def _as_tuple(x) -> tuple:
@@ -208,6 +240,11 @@ class StageExecutor:
         """``(receive from, send to)`` of one chunk: the step's batch-bridge peers, or across the interleaved
         wrap-around (last stage to stage 0) this lane's rank on the other end, all rows."""
         links, wrap = self.links, lambda rank: (Peer(rank, 0, work.rows),)
+        if links.chunk_stages:  # any map: the lane's rank on the neighbouring chunk's stage; none when local
+            g, at = links.virtual(chunk), links.chunk_stages
+            recv = wrap(links.lane_ranks[at[g - 1]]) if g > 0 and not links.local(g - 1) else ()
+            send = wrap(links.lane_ranks[at[g + 1]]) if g < links.total - 1 and not links.local(g + 1) else ()
+            return recv, send
         recv = work.recv_from if links.stage > 0 else wrap(links.wrap_from) if chunk > 0 else ()
         send = work.send_to if not links.is_last else wrap(links.wrap_to) if chunk < links.chunks - 1 else ()
         return recv, send
@@ -215,7 +252,7 @@ class StageExecutor:
     def _tag(self, virtual: int, grad: bool) -> int:
         """The p2p channel of transfers INTO virtual stage ``virtual`` (activations) or back to it (``grad``):
         0 with one chunk per rank, else one channel per virtual stage and direction."""
-        return 0 if self.links.chunks == 1 else 2 * virtual + int(grad)
+        return 0 if self.links.total == self.links.num_stages else 2 * virtual + int(grad)
 
     def _receive(self, mb: int, chunk: int, peers: tuple, work: MicroBatches, state: _InFlight) -> list[tuple]:
         """This micro-batch's pieces from every sending lane (in row order); posts the next receives. A step's
@@ -235,8 +272,11 @@ class StageExecutor:
     def _forward(self, mb: int, chunk: int, work: MicroBatches, grad: bool, state: _InFlight,
                  result: StepResult) -> None:
         links, (recv, send) = self.links, self._peers(chunk, work)
-        first, last = links.first(chunk), links.last(chunk)
-        pieces = [] if first else self._receive(mb, chunk, recv, work, state)
+        first, last, g = links.first(chunk), links.last(chunk), links.virtual(chunk)
+        if links.local(g - 1):  # the previous chunk ran here: its outputs, as leaves of this chunk's graph
+            pieces = [state.handoff.pop((g, mb))]
+        else:
+            pieces = [] if first else self._receive(mb, chunk, recv, work, state)
         start = self._clock()
         module = self.modules[chunk]
         with torch.set_grad_enabled(grad):
@@ -257,6 +297,12 @@ class StageExecutor:
             state.sent_meta[key] = self._first_meta["sent"][key] = meta
             state.sends += works
             outgoing.append((values, p2p.post_grads(values, peer.rank, self._tag(to - 1, True)) if grad else []))
+        if not last and links.local(to):  # the next chunk runs here: hand the outputs over, no send
+            values = _as_tuple(out)
+            leaves = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                           for v in values)
+            state.handoff[(to, mb)] = leaves
+            outgoing.append((values, _LocalGrads(leaves)))
         if grad:
             state.live[(chunk, mb)] = (inputs, pieces, out, outgoing, recv)
 
@@ -288,7 +334,7 @@ class StageExecutor:
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
             tensors, grads = [], []
             for values, posted in outgoing:
-                grads += p2p.wait_grads(posted)
+                grads += posted.grads() if isinstance(posted, _LocalGrads) else p2p.wait_grads(posted)
                 tensors += [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
         if last:
             self.before_last_backward(result.loss_sum)
@@ -307,7 +353,7 @@ class StageExecutor:
             torch.autograd.backward(tensors, grads)
         self._account(start, lambda: ("Bi" if split else "B", key[0], _shapes(inputs)), state, result)
         back = self._tag(self.links.virtual(key[0]) - 1, True)
-        for peer, piece in zip(recv, pieces, strict=True):
+        for peer, piece in zip(recv, pieces if recv else [], strict=True):  # none to send for a local hand-off
             state.sends += p2p.send_grads(piece, peer.rank, back)
 
     def _weight(self, key: tuple[int, int], last: bool, state: _InFlight, result: StepResult) -> None:

@@ -60,9 +60,9 @@ def _check_tensors(model: nn.Module, modules: list[fx.GraphModule], plan: Plan) 
             names, stages = holders.setdefault(id(tensor[name]), (set(), set()))
             names.add(name)
             stages.add(s)
-    p = plan.num_stages  # an interleaved cut's chunk c runs on stage c % p
-    tied = {(tuple(sorted(n)), tuple(sorted({c % p for c in st}))) for n, st in holders.values()
-            if len({c % p for c in st}) > 1}
+    at = plan.position_of  # an interleaved cut's chunk c runs on stage at(c) (c % p unless chunk_positions says)
+    tied = {(tuple(sorted(n)), tuple(sorted({at(c) for c in st}))) for n, st in holders.values()
+            if len({at(c) for c in st}) > 1}
     planned = {(tuple(sorted(sp.names)), tuple(sorted(sp.stages))) for sp in plan.shared_params}
     if tied != planned:
         raise StageError(f"the model ties {sorted(tied) or 'no parameters'} across stages but the plan's "
@@ -100,11 +100,11 @@ def build_stage(model: nn.Module, plan: Plan, stage: int, prebuilt: tuple = ()) 
 
 
 def _rank_module(modules: list[nn.Module], plan: Plan, stage: int) -> nn.Module:
-    """Stage ``stage``'s module: the cut's module, or under an interleaved plan its chunks ``stage, stage + p,
-    ...`` as one :class:`~whale.parallel.chunks.Chunks`."""
+    """Stage ``stage``'s module: the cut's module, or under an interleaved plan its chunks (``stage, stage + p,
+    ...``, or those ``chunk_positions`` puts on it) as one :class:`~whale.parallel.chunks.Chunks`."""
     if plan.virtual_stages == 1:
         return modules[stage]
     if plan.capture == "export":
         raise StageError(f"virtual_stages={plan.virtual_stages} runs torch.fx chunks, but the plan was captured "
                          "with torch.export; re-plan it with Config(capture='fx')")
-    return Chunks(modules[stage::plan.num_stages])
+    return Chunks([modules[c] for c in plan.chunks_of(stage)])

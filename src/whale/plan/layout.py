@@ -44,8 +44,23 @@ class PlanLayout:
     @property
     def num_chunks(self) -> int:
         """Model chunks of the pipeline (= stage cuts): ``num_stages * virtual_stages``; chunk c runs on the
-        ranks of stage ``c % num_stages``."""
+        ranks of stage :meth:`position_of` ``(c)`` (``c % num_stages`` unless ``chunk_positions`` says)."""
         return self.num_stages * self.virtual_stages
+
+    def position_of(self, chunk: int) -> int:
+        """The pipeline stage (rank position) whose ranks run model chunk ``chunk``: ``chunk_positions[chunk]``,
+        or round-robin ``chunk % num_stages`` when that field is empty."""
+        return self.chunk_positions[chunk] if self.chunk_positions else chunk % self.num_stages
+
+    @property
+    def last_stage(self) -> int:
+        """The stage running the model's last chunk (it computes the loss): ``num_stages - 1``, or under
+        ``chunk_positions`` the last chunk's stage."""
+        return self.position_of(self.num_chunks - 1) if not self.colocated else 0
+
+    def chunks_of(self, stage: int) -> list[int]:
+        """The model chunks stage ``stage`` runs, in model order (its local chunks 0, 1, ...)."""
+        return [c for c in range(self.num_chunks) if self.position_of(c) == stage]
 
     @property
     def stage_widths(self) -> tuple[int, ...]:

@@ -223,6 +223,9 @@ class Plan(_Checked, PlanLayout, PlanChecks):
         virtual_stages: model chunks per rank (``"Interleaved1F1B"``; 1 otherwise): the ``p * v`` TaskGraphs
             and stage cuts are chunks, chunk ``c*p + r`` on the ranks of pipeline stage r (:mod:`whale.plan.layout`);
             ``shared_params`` then name pipeline stages (rank positions).
+        chunk_positions: interleaved plans whose stages hold different chunk counts: the pipeline stage of each
+            of the ``p * v`` chunks (model order; every stage at least one, chunk 0 on stage 0; ``v`` on average),
+            run by :func:`whale.plan.schedule_chunks.chunked_1f1b`; empty = round-robin, chunk c on stage ``c % p``.
         sequence_parallel: split regions whose rule supports it run on sequence shards
             (:mod:`whale.parallel.seqpar`).
     """
@@ -253,6 +256,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
     offload: OffloadName = "none"
     moe_layers: tuple[MoELayer, ...] = ()
     virtual_stages: int = 1
+    chunk_positions: tuple[int, ...] = ()
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -266,7 +270,7 @@ class Plan(_Checked, PlanLayout, PlanChecks):
 
     def stage_task_graphs(self, stage: int) -> tuple[TaskGraph, ...]:
         """TaskGraphs run by a stage (all of them when colocated)."""
-        return self.task_graphs if self.colocated else self.task_graphs[stage::self.num_stages]
+        return self.task_graphs if self.colocated else tuple(self.task_graphs[c] for c in self.chunks_of(stage))
 
     def split_targets(self, stage: int) -> list[tuple[str, tuple[float, ...]]]:
         """``(module FQN, shard weights)`` of every module a stage runs under ``split`` (top-level or nested)."""
@@ -359,7 +363,7 @@ _FIELDS: dict[type, dict[str, Check]] = {
     StageCut: {"nodes": _seq(_STR, "graph nodes", least=1), "params": _STRS, "buffers": _STRS, "units": _STRS},
     Plan: {"world_size": _int(1), "task_graphs": _seq(_node(TaskGraph), "TaskGraph objects"),
            "num_replicas": _int(1), "num_micro_batch": _int(1), "schedule": _choice(RUNNABLE_SCHEDULES),
-           "virtual_stages": _int(1), "lane_weights": _POS,
+           "virtual_stages": _int(1), "chunk_positions": _seq(_int(0), "stages"), "lane_weights": _POS,
            "stage_lane_weights": _seq(_POS, "lists of numbers > 0"),
            "shared_params": _seq(_node(SharedParam), "SharedParam objects"),
            "stage_cuts": _seq(_node(StageCut), "StageCut objects"), "leaf_modules": _STRS, "colocated": _BOOL,

@@ -51,7 +51,10 @@ def _header(plan: Plan) -> str:
     if plan.is_pipeline:
         steps = f"{mb} micro-batch(es), schedule {plan.schedule}" + \
             (f" with {plan.virtual_stages} chunks per stage (TaskGraph c on stage c % {plan.num_stages})"
-             if plan.virtual_stages > 1 else "")
+             if plan.virtual_stages > 1 and not plan.chunk_positions else
+             f" with {'+'.join(str(len(plan.chunks_of(s))) for s in range(plan.num_stages))} chunks per stage "
+             f"(TaskGraph c on stage chunk_positions[c] = {list(plan.chunk_positions)})" if plan.virtual_stages > 1
+             else "")
     else:
         steps = f"{mb} micro-batches (gradient accumulation)" if mb > 1 else "1 micro-batch"
     dtype = "" if plan.precision == "fp32" else \
@@ -70,7 +73,7 @@ def _wrapped(prefix: str, names, width: int = 110) -> list[str]:
 
 
 def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
-    stage = 0 if plan.colocated else tg.index % plan.num_stages  # interleaved: chunk c on stage c % p
+    stage = 0 if plan.colocated else plan.position_of(tg.index)  # interleaved: chunk c on its stage
     ranks = ",".join(map(str, plan.stage_ranks(stage)))
     lead = f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>12,}  "
     rows = _wrapped(lead, tg.modules)
@@ -99,11 +102,13 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"graph captured with {how}")
     for s, cut in enumerate(plan.stage_cuts):
         sizes = f"{len(cut.nodes)} graph nodes, {len(cut.params)} parameters, {len(cut.buffers)} buffers"
-        what = f"chunk {s} (stage {s % plan.num_stages})" if plan.virtual_stages > 1 else f"stage {s}"
+        what = f"chunk {s} (stage {plan.position_of(s)})" if plan.virtual_stages > 1 else f"stage {s}"
         if cut.units:
             lines += _wrapped(f"{what} ({sizes}), cut hardware-aware by speed and memory: ", cut.units)
         else:
             lines.append(f"{what} ({sizes}), cut as annotated")
+    if plan.virtual_stages > 1:
+        lines.extend(_stage_chunk_rows(plan))
     if plan.activation_checkpoint:
         lines += _wrapped("activation checkpointing (recomputed in backward): ", plan.activation_checkpoint)
     if plan.devices:
@@ -120,7 +125,23 @@ def _chunks_of(plan: Plan, stage: int) -> str:
     indices when the cut is as annotated."""
     cuts = plan.stage_cuts
     return ", ".join(f"{c} ({len(cuts[c].units)} units)" if c < len(cuts) and cuts[c].units else str(c)
-                     for c in range(stage, plan.num_chunks, plan.num_stages))
+                     for c in plan.chunks_of(stage))
+
+
+def _stage_chunk_rows(plan: Plan) -> list[str]:
+    """Per stage of an interleaved plan, its device types and chunks with their units, e.g. ``stage 0
+    (V100-32GB): 3 chunks: 0 (units emb..blocks.1), 2 (units blocks.4..blocks.5), 4 (units blocks.7)``."""
+    rows = []
+    for s in range(plan.num_stages):
+        kinds = " + ".join(dict.fromkeys(plan.devices[r] for r in plan.stage_ranks(s))) if plan.devices else ""
+        parts = []
+        for c in plan.chunks_of(s):
+            units = plan.stage_cuts[c].units if c < len(plan.stage_cuts) else ()
+            span = units[0] if len(units) == 1 else f"{units[0]}..{units[-1]}" if units else ""
+            parts.append(f"{c} (units {span})" if units else str(c))
+        many = f"{len(parts)} chunk" + "s" * (len(parts) != 1)
+        rows += _wrapped(f"stage {s}{f' ({kinds})' if kinds else ''}: {many}: ", parts)
+    return rows
 
 
 def _device_rows(plan: Plan) -> list[str]:

@@ -209,16 +209,18 @@ def num_chunks(schedule: Schedule) -> int:
     return 1 + max((a.chunk for acts in schedule for a in acts), default=0)
 
 
-def validate(schedule: Schedule, num_micro_batch: int) -> None:
+def validate(schedule: Schedule, num_micro_batch: int, positions: tuple[int, ...] | None = None) -> None:
     """Check a schedule: each rank runs F and B of every (chunk, micro-batch) exactly once, W of each once or
     never (then B is the full backward), F before B before W, and the whole pipeline completes when receives
-    block and sends do not (every send is matched by a receive).
+    block and sends do not (every send is matched by a receive). ``positions``: the model chunk -> position
+    map (:func:`chunk_ids`; default round-robin).
 
     Raises:
         ScheduleError: naming the stage and the offending action, or the actions stuck in a deadlock.
     """
+    ids = chunk_ids(schedule, positions)
     for s, acts in enumerate(schedule):
-        for c in range(num_chunks(schedule)):
+        for c in range(len(ids[s])):
             for kind in "FBW":
                 got = sorted(a.mb for a in acts if a.kind == kind and a.chunk == c)
                 if got != list(range(num_micro_batch)) and (kind != "W" or got):
@@ -231,33 +233,43 @@ def validate(schedule: Schedule, num_micro_batch: int) -> None:
             if before is not None and (before, a.chunk, a.mb) not in seen:
                 raise ScheduleError(f"stage {s}: {a} comes before {Action(before, a.mb, a.chunk)}")
             seen.add((a.kind, a.chunk, a.mb))
-    _simulate_order(schedule)
+    completion_order(schedule, positions)
 
 
-def _ready(p: int, last: int, s: int, a: Action, done: set[tuple[int, str, int]]) -> bool:
-    """Whether ``a`` of rank s (of p; ``last`` the last virtual stage) can run once ``done`` (keyed by virtual
-    stage) has run."""
-    vs = a.chunk * p + s
-    if a.kind == "F":
-        return vs == 0 or (vs - 1, "F", a.mb) in done
-    if a.kind == "W":
-        return True  # after its own B on this rank (validate checks the order)
-    return vs == last or (vs + 1, "B", a.mb) in done
+def chunk_ids(schedule: Schedule, positions: tuple[int, ...] | None = None) -> list[list[int]]:
+    """``[position][local chunk]`` -> model chunk. ``positions[c]`` is the position of model chunk c (its local
+    chunks in model order: :mod:`whale.plan.schedule_chunks`); default round-robin, chunk ``c*p + s`` on s.
 
-
-def _simulate_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """Run the schedule in lock-step rounds; return the global completion order or raise on deadlock."""
+    Raises:
+        ScheduleError: ``positions`` leaves a position without chunks or names one outside the schedule."""
     p = len(schedule)
-    last = p * num_chunks(schedule) - 1
-    pos = [0] * p
-    done: set[tuple[int, str, int]] = set()
+    if positions is None:
+        return [[c * p + s for c in range(num_chunks(schedule))] for s in range(p)]
+    ids = [[c for c, q in enumerate(positions) if q == s] for s in range(p)]
+    if not all(ids) or sum(map(len, ids)) != len(positions):
+        raise ScheduleError(f"chunk positions {list(positions)} must give each of the {p} positions a chunk")
+    return ids
+
+
+def completion_order(schedule: Schedule, positions: tuple[int, ...] | None = None) -> list[tuple[int, Action]]:
+    """Run the schedule in lock-step rounds; return the global completion order ``[(stage, action)]`` or raise
+    :class:`ScheduleError` on deadlock. A forward of model chunk g waits for g - 1's, a backward for g + 1's (W
+    for nothing: validate checks its B)."""
+    ids = chunk_ids(schedule, positions)
+    last = sum(map(len, ids)) - 1
+    pos = [0] * len(schedule)
+    done: set[tuple[int, str, int]] = set()  # (model chunk, kind, micro-batch)
     order: list[tuple[int, Action]] = []
     while any(q < len(acts) for q, acts in zip(pos, schedule, strict=True)):
         progressed = False
         for s, acts in enumerate(schedule):
-            if pos[s] < len(acts) and _ready(p, last, s, acts[pos[s]], done):
-                a = acts[pos[s]]
-                done.add((a.chunk * p + s, a.kind, a.mb))
+            if pos[s] == len(acts):
+                continue
+            a = acts[pos[s]]
+            g = ids[s][a.chunk]
+            need = (g - 1, "F") if a.kind == "F" and g else (g + 1, "B") if a.kind == "B" and g < last else None
+            if need is None or (*need, a.mb) in done:
+                done.add((g, a.kind, a.mb))
                 order.append((s, a))
                 pos[s] += 1
                 progressed = True
@@ -313,7 +325,8 @@ def _action_cost(a: Action, share: tuple[float, float], split: bool, f: float, b
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
                    comm: list[list[float]], peers: list[list[list[int]]] | None = None,
                    chunk_shares: list[list[tuple[float, float]]] | None = None,
-                   weight: list[list[list[float]]] | None = None) -> dict:
+                   weight: list[list[list[float]]] | None = None, positions: tuple[int, ...] | None = None,
+                   order: list[tuple[int, Action]] | None = None) -> dict:
     """Event simulation of one step's schedule over every (stage, lane) rank.
 
     Args:
@@ -323,13 +336,18 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
             backward's B and W half each unless ``weight`` is given).
         comm: ``[stage][lane]`` seconds of one transfer from that lane across the boundary to stage + 1
             (activations forward; the same for their gradients backward; ignored on the last stage; the last
-            stage's value is the wrap-around transfer to stage 0 of an interleaved schedule).
+            stage's value is the wrap-around transfer to stage 0 of an interleaved schedule). Interleaved: the
+            hand-off from model chunk c to c + 1 costs ``comm`` of c's stage, nothing when both are on one stage.
         peers: ``[stage][lane]`` lanes of stage + 1 the lane exchanges rows with (default: the same lane;
             interleaved schedules need equal lanes and the default).
         chunk_shares: ``[stage][chunk]`` (forward share, backward share) of the stage's seconds that each of its
             chunks takes (each column summing to 1 over a stage's chunks; default 1/v each).
         weight: ``[stage][lane][micro-batch]`` seconds of each W pass of a split-backward schedule; ``bwd`` is then
             the B pass's seconds (default: B and W take half of ``bwd`` each).
+        positions: the model chunk -> stage map of an interleaved schedule whose stages hold different chunk
+            counts (:mod:`whale.plan.schedule_chunks`; default round-robin, :func:`chunk_ids`).
+        order: the schedule's completion order (:func:`completion_order`), for callers that simulate one schedule
+            many times (it does not depend on the costs); computed when not given.
 
     A forward starts when its rank is free and every transfer into it has arrived (receives block; sends are
     asynchronous), a backward likewise from the next virtual stage, a W when its rank is free. Returns ``{"end":
@@ -340,38 +358,44 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
         ScheduleError: the schedule deadlocks; ValueError: a cost list of the wrong shape.
     """
     lanes = [len(f) for f in fwd]
-    p, v = len(schedule), num_chunks(schedule)
+    p, ids = len(schedule), chunk_ids(schedule, positions)
+    last, owner = sum(map(len, ids)) - 1, {g: s for s, gs in enumerate(ids) for g in gs}
     if len(fwd) != p or len(bwd) != p or [len(b) for b in bwd] != lanes:
         raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {p} stages, got "
                          f"{lanes} and {[len(b) for b in bwd]} lanes")
-    if v > 1 and (peers is not None or len(set(lanes)) > 1):
+    if last >= p and (peers is not None or len(set(lanes)) > 1):
         raise ValueError(f"an interleaved schedule needs the same lanes on every stage, got {lanes}")
-    if chunk_shares is not None and [len(c) for c in chunk_shares] != [v] * p:
-        raise ValueError(f"chunk_shares must be [stage][chunk] for {p} stages of {v} chunks")
-    shares = chunk_shares or [[(1.0 / v, 1.0 / v)] * v for _ in range(p)]
+    if chunk_shares is not None and [len(c) for c in chunk_shares] != [len(gs) for gs in ids]:
+        raise ValueError(f"chunk_shares must be [stage][chunk] for {p} stages of {[len(gs) for gs in ids]} chunks")
+    shares = chunk_shares or [[(1.0 / len(gs), 1.0 / len(gs))] * len(gs) for gs in ids]
     peers = peers or [[[j] for j in range(n)] for n in lanes]
     feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
              for s in range(p)]
     split = [any(a.kind == "W" for a in acts) for acts in schedule]
-    finish: dict[tuple[int, int, str, int], float] = {}  # (virtual stage, lane, kind, mb)
+
+    def link(g: int, j: int) -> float:
+        """Seconds of the hand-off from model chunk g (lane j) to g + 1: none on one stage."""
+        return 0.0 if owner[g] == owner[g + 1] else comm[owner[g]][j]
+
+    finish: dict[tuple[int, int, str, int], float] = {}  # (model chunk, lane, kind, mb)
     clock = [[0.0] * n for n in lanes]
     events = []
-    for s, a in _simulate_order(schedule):
-        vs = a.chunk * p + s
+    for s, a in order if order is not None else completion_order(schedule, positions):
+        g = ids[s][a.chunk]
         for lane in range(lanes[s]):
             w = weight[s][lane][a.mb] if weight is not None else None
             cost = _action_cost(a, shares[s][a.chunk], split[s], fwd[s][lane][a.mb], bwd[s][lane][a.mb], w)
             if a.kind == "F":
-                dep = max((finish[(vs - 1, j, "F", a.mb)] + comm[(s - 1) % p][j] for j in feeds[s][lane]),
-                          default=0.0) if vs else 0.0
+                dep = max((finish[(g - 1, j, "F", a.mb)] + link(g - 1, j) for j in feeds[s][lane]),
+                          default=0.0) if g else 0.0
             elif a.kind == "B":
-                dep = max((finish[(vs + 1, j, "B", a.mb)] + comm[s][lane] for j in peers[s][lane]), default=0.0) \
-                    if vs < p * v - 1 else 0.0
+                dep = max((finish[(g + 1, j, "B", a.mb)] + link(g, lane) for j in peers[s][lane]), default=0.0) \
+                    if g < last else 0.0
             else:
                 dep = 0.0
             start = max(clock[s][lane], dep)
             clock[s][lane] = start + cost
-            finish[(vs, lane, a.kind, a.mb)] = clock[s][lane]
+            finish[(g, lane, a.kind, a.mb)] = clock[s][lane]
             events.append((s, lane, a.kind + (f"c{a.chunk}" if a.chunk else ""), a.mb, start, clock[s][lane]))
     busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) + (sum(weight[s][lane]) if weight is not None and split[s] else 0.0)
              for lane in range(n)] for s, n in enumerate(lanes)]

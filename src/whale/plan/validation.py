@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 
 from whale.plan.checks import PlanError, _fail
-from whale.plan.schedule import ScheduleError, make_schedule
+from whale.plan.schedule import ScheduleError
+from whale.plan.schedule_chunks import schedule_for
 
 _REPLAN = "re-plan with wh.plan_model (or `whale plan --out`) instead of editing which TaskGraph holds a module"
 
@@ -118,6 +119,9 @@ class PlanChecks:
         """Interleaved plans: whole chunks per stage, each chunk as wide as its stage, one width, no split."""
         v, n = self.virtual_stages, len(self.task_graphs)
         if v == 1:
+            if self.chunk_positions:
+                _fail("chunk_positions", list(self.chunk_positions), "maps chunks of an interleaved plan, but "
+                      "virtual_stages = 1", "leave chunk_positions [] or use virtual_stages >= 2")
             return
         if self.schedule != "Interleaved1F1B":
             _fail("virtual_stages", v, f"needs schedule 'Interleaved1F1B', not {self.schedule!r}",
@@ -130,13 +134,23 @@ class PlanChecks:
             _fail("virtual_stages", v, f"runs chunks of one width and no split regions, but the TaskGraphs have "
                   f"widths {widths}{' and split regions' if any(tg.has_split for tg in self.task_graphs) else ''}",
                   "give every stage scope the same device count without split, or use the 1F1B schedule")
+        self._validate_chunk_positions()
         try:  # the schedule's own rules (micro-batches a multiple of the stages)
-            make_schedule(self.schedule, n // v, self.num_micro_batch, v)
+            schedule_for(self.schedule, n // v, self.num_micro_batch, v, self.chunk_positions)
         except ScheduleError as exc:
             raise PlanError(str(exc)) from None
         if self.zero >= 3:
             _fail("zero", self.zero, f"gathers parameters around whole-stage calls, which the {v} chunks of an "
                   "interleaved stage are not", "use zero=1 or 2 with virtual_stages > 1, or virtual_stages=1")
+
+    def _validate_chunk_positions(self) -> None:
+        """One stage per chunk, every stage ``0..p-1`` holding at least one, chunk 0 (the model's inputs) on stage 0
+        (interleaved plans)."""
+        pos, p, n = self.chunk_positions, self.num_stages, len(self.task_graphs)
+        if pos and (len(pos) != n or sorted(set(pos)) != list(range(p)) or pos[0] != 0):
+            _fail("chunk_positions", list(pos), f"must give each of the {n} chunks a stage in 0..{p - 1}, every "
+                  "stage at least one chunk and chunk 0 stage 0 (it takes the model's inputs)",
+                  "re-plan with wh.plan_model, or leave it [] for round-robin")
 
     def _validate_cut_modules(self) -> None:
         """A pipeline's TaskGraph s lists modules whose tensors stage s's cut holds: a module listed under

@@ -177,7 +177,7 @@ def _split_shares(plan: Plan, speeds: list[float]) -> tuple:
         return plan.task_graphs
     out = []
     for tg in plan.task_graphs:
-        weights = shard_weights(plan, speeds, 0 if plan.colocated else tg.index % plan.num_stages)  # chunk -> stage
+        weights = shard_weights(plan, speeds, 0 if plan.colocated else plan.position_of(tg.index))  # chunk -> stage
         nested = tuple(dataclasses.replace(n, shard_weights=weights) if n.kind == "split" else n for n in tg.nested)
         out.append(dataclasses.replace(tg, nested=nested, shard_weights=weights if tg.kind == "split" else ()))
     return tuple(out)

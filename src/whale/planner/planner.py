@@ -99,6 +99,7 @@ def make_plan(
     stage_cuts: tuple[StageCut, ...] = (),
     shared_params: tuple[SharedParam, ...] = (),
     leaf_modules: tuple[str, ...] = (),
+    chunk_positions: tuple[int, ...] = (),
 ) -> Plan:
     """Build the plan (pure function).
 
@@ -109,6 +110,8 @@ def make_plan(
         stage_cuts: per stage, what it owns in the traced model (pipelines only).
         shared_params: parameters held by several stages (tied weights).
         leaf_modules: modules the stage cut traced as single calls.
+        chunk_positions: interleaved only: the stage of each chunk when the stages hold different chunk counts
+            (:attr:`Plan.chunk_positions`; empty = round-robin).
 
     Stages of different widths each get their own lane weights (``stage_lane_weights``); ``load_shares``
     then gives one share per rank, stage by stage (stage 0's ``K*n_0`` lanes first).
@@ -128,8 +131,9 @@ def make_plan(
                         f"scope(s); annotate p * {v} scopes for p >= 2 stages (e.g. {2 * v}), or use virtual_stages=1")
     p = len(tgs) // v
     counts, k = resolve_device_counts(tgs[:p], world_size, colocated)
-    counts = [counts[c % p] for c in range(len(tgs))]  # chunk c runs on the devices of stage c % p
-    shared_params = _stage_ties(shared_params, p) if v > 1 else shared_params
+    where = tuple(chunk_positions) or tuple(c % p for c in range(len(tgs)))  # chunk c -> its stage
+    counts = [counts[where[c]] for c in range(len(tgs))]  # chunk c runs on the devices of its stage
+    shared_params = _stage_ties(shared_params, where) if v > 1 else shared_params
     _check_nested(tgs, counts)
     lane_weights, stage_lane_weights = _lane_weights(config, counts, k, colocated)
     task_graphs = tuple(TaskGraph(i, tg.kind, c, tg.modules, tg.num_params, tg.nested)
@@ -150,16 +154,17 @@ def make_plan(
         precision=config.precision,
         offload=config.offload,
         virtual_stages=v,
+        chunk_positions=tuple(chunk_positions),
         sequence_parallel=config.sequence_parallel,
     )
 
 
-def _stage_ties(shared: tuple[SharedParam, ...], stages: int) -> tuple[SharedParam, ...]:
+def _stage_ties(shared: tuple[SharedParam, ...], where: tuple[int, ...]) -> tuple[SharedParam, ...]:
     """Ties across the chunks of an interleaved cut as ties across pipeline stages (chunk c on stage
-    ``c % stages``); a tie whose chunks all run on one stage is one tensor there, no tie."""
+    ``where[c]``); a tie whose chunks all run on one stage is one tensor there, no tie."""
     out = []
     for sp in shared:
-        held = tuple(sorted({c % stages for c in sp.stages}))
+        held = tuple(sorted({where[c] for c in sp.stages}))
         if len(held) > 1:
             out.append(SharedParam(sp.names, held))
     return tuple(out)

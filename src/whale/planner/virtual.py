@@ -1,30 +1,36 @@
-"""Hardware-aware virtual stages: the layers of every model chunk of an interleaved pipeline and the devices of
-every pipeline position, chosen together by device speed and memory, exactly.
+"""Hardware-aware virtual stages: the layers of every model chunk of an interleaved pipeline, how many chunks each
+pipeline position holds, and the devices of every position, chosen together by device speed and memory, exactly.
 
-Problem. Units (layers) ``0..n-1`` are cut into ``C = p * v`` contiguous, non-empty chunks; chunk c runs on
-pipeline position ``c % p`` (the interleaved 1F1B placement of Narayanan et al., SC'21 §2.2, which the runtime
-runs: :mod:`whale.parallel.chunks`). Position s runs on a group of ``width`` devices drawn from device *types*
-(``type_counts[t]`` interchangeable devices of type t). Chunk c of units ``i..j-1`` on a group takes, per
-micro-batch, ``max over the group's types t of sum(unit_fwd[i:j][t])`` seconds forward and likewise backward
-(the slowest device of the group sets the pace, as in :mod:`whale.planner.placement`). The objective is the
-predicted step time of the interleaved schedule with those chunk times: the event simulation of the schedule
-(:func:`whale.plan.schedule.simulate_lanes`, the one home of the schedule's timing), so the bubble, the
-warm-up and which chunk waits for which all count, not only the slowest position. Position s needs, on every
-device of its group, the static bytes of its chunks plus the largest sum of activation bytes its own action
-order holds at once (:func:`whale.plan.schedule.max_in_flight` with per-chunk sizes), at most the smallest
-capacity among the group's types.
+Problem. Units (layers) ``0..n-1`` are cut into ``C = p * v`` contiguous, non-empty chunks. Position s holds
+``k_s >= 1`` of them: v each, chunk c on position ``c % p`` (the interleaved 1F1B placement of Narayanan et al.,
+SC'21 §2.2), or, with :attr:`VirtualProblem.vary_counts`, any counts summing to C, chunk c on position
+``positions_from_counts(k)[c]`` (round-robin over the positions with chunks left, a hand-off between two
+chunks of one position local; :mod:`whale.plan.schedule_chunks`, whose schedule the runtime runs). Position s
+runs on a group of ``width`` devices drawn from device *types* (``type_counts[t]`` interchangeable devices of
+type t). Chunk c of units ``i..j-1`` on a group takes, per micro-batch, ``max over the group's types t of
+sum(unit_fwd[i:j][t])`` seconds forward and likewise backward (the slowest device of the group sets the pace, as
+in :mod:`whale.planner.placement`). The objective is the predicted step time of the schedule with those chunk
+times: the event simulation of the schedule (:func:`whale.plan.schedule.simulate_lanes`, the one home of the
+schedule's timing), so the bubble, the warm-up and which chunk waits for which all count, not only the slowest
+position. Position s needs, on every device of its group, the static bytes of its chunks plus the largest sum
+of activation bytes its own action order holds at once (:func:`whale.plan.schedule.max_in_flight` with
+per-chunk sizes), at most the smallest capacity among the group's types.
 
-A fast device gets more layers: its chunks are larger. Every position holds v chunks (the runtime's
-round-robin placement), so a device's share of the model is set by its chunks' sizes, not by their number.
+A fast device gets more layers: its chunks are larger, and (``vary_counts``) it may hold more of them, which
+fills its share of the bubble with more, smaller pieces of work.
 
 Algorithm (exact): every sequence of groups over the positions (compositions of the width over the types
-left, most of the earlier types first, as :func:`whale.planner.placement.compositions`), and for each a
-depth-first branch and bound over the chunk ends. The bound of a prefix of chunks is the simulated step with
-every later chunk at zero cost, and its memory with their bytes at zero: the step time is a max-plus
-expression of the action times in a fixed order (receives block, so the order the schedule runs in does not
-depend on the times), hence non-decreasing in every time, and memory is non-decreasing in every byte, so a
-prefix whose bound is no better than the best complete cut, or which is over memory already, cannot lead to
-a better feasible cut. Tested against enumerating every cut and group sequence (tests/test_virtual_planner.py).
+left, most of the earlier types first, as :func:`whale.planner.placement.compositions`), for each every count
+vector (:func:`count_vectors`: the even one first, then, with ``vary_counts``, every composition of C into p
+parts >= 1), and for each a depth-first branch and bound over the chunk ends. Group sequence and counts fix
+the schedule (its action order per position, hence the chunk -> position map). The bound of a prefix of chunks
+is the simulated step with every later chunk at zero cost, and its memory with their bytes at zero: the step
+time is a max-plus expression of the action times in a fixed order (receives block, so the order the schedule
+runs in does not depend on the times), hence non-decreasing in every time, and memory is non-decreasing in
+every byte, so a prefix whose bound is no better than the best complete cut, or which is over memory already,
+cannot lead to a better feasible cut. The even counts are searched first, the others after with half a budget
+of their own (:func:`plan_virtual_stages`); within both budgets the result is exact, else marked not proven. Tested
+against enumerating every cut, count vector and group sequence (tests/test_virtual_planner.py: worst ratio 1.0).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whale.plan.schedule import interleaved_1f1b, max_in_flight, simulate_lanes
+from whale.plan.schedule import completion_order, max_in_flight, simulate_lanes
+from whale.plan.schedule_chunks import positions_from_counts, schedule_for
 from whale.planner.balance import InfeasiblePlanError
 from whale.planner.placement import compositions
 from whale.units import format_bytes
@@ -51,6 +58,8 @@ class VirtualCut:
         peak_bytes: per position, the bytes one of its devices needs (static + activations held at once).
         exact: False when the search stopped at its budget (:data:`SEARCH_BUDGET`): the best cut found, not
             proven optimal.
+        positions: model chunk -> position (``p * v`` entries; round-robin ``c % p`` unless the problem lets the
+            chunk counts vary: :func:`whale.plan.schedule_chunks.positions_from_counts`).
     """
 
     counts: tuple[int, ...]
@@ -58,11 +67,19 @@ class VirtualCut:
     step: float
     peak_bytes: tuple[float, ...]
     exact: bool = True
+    positions: tuple[int, ...] = ()
+
+    @property
+    def chunks_per_position(self) -> tuple[int, ...]:
+        """Chunks each position holds (``v`` each on the round-robin map)."""
+        return tuple(self.positions.count(s) for s in range(len(self.groups)))
 
 
 SEARCH_BUDGET = 20000
-"""Simulated steps the exact search may evaluate (about 10 s on one core); past it every open branch follows only
-its most promising option, so a cut is still found, and :attr:`VirtualCut.exact` says it is not proven optimal."""
+"""Simulated steps the exact search over even chunk counts may evaluate (half as many more for other counts; about
+0.2-0.5 ms each for 4 positions x 2 chunks, so seconds in all); past it every open branch follows only its most
+promising option and no further chunk counts are tried (:func:`plan_virtual_stages`), so a cut is still found, and
+:attr:`VirtualCut.exact` says it is not proven optimal."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,7 @@ class VirtualProblem:
         type_capacity: bytes one device of each type may use.
         positions: pipeline positions p (>= 2); virtual: chunks per position v (>= 1); micro_batches: m (a
             multiple of p); width: devices per position (its data-parallel lanes, ``K * n``).
+        vary_counts: also choose how many of the ``p * v`` chunks each position holds (each >= 1), not v each.
     """
 
     unit_fwd: Sequence[Sequence[float]]
@@ -90,6 +108,7 @@ class VirtualProblem:
     virtual: int
     micro_batches: int
     width: int = 1
+    vary_counts: bool = False
 
     def check(self) -> None:
         """Raises ValueError naming the first inconsistent field (lengths, counts, negative or non-finite)."""
@@ -111,12 +130,15 @@ class VirtualProblem:
 
 
 class _Evaluator:
-    """Step time and memory of (a prefix of) chunk cuts on one group sequence; unassigned chunks cost nothing."""
+    """Step time and memory of (a prefix of) chunk cuts on one group sequence and one count of chunks per
+    position; unassigned chunks cost nothing."""
 
-    def __init__(self, pb: VirtualProblem, groups: tuple[tuple[int, ...], ...]) -> None:
-        self.pb, self.groups = pb, groups
-        p, v, m = pb.positions, pb.virtual, pb.micro_batches
-        self.schedule = interleaved_1f1b(p, m, v)
+    def __init__(self, pb: VirtualProblem, groups: tuple[tuple[int, ...], ...], counts: tuple[int, ...]) -> None:
+        self.pb, self.groups, self.counts = pb, groups, counts
+        self.positions = positions_from_counts(counts)
+        self.local = [self.positions[:c].count(q) for c, q in enumerate(self.positions)]  # chunk -> local index
+        self.schedule = schedule_for("Interleaved1F1B", pb.positions, pb.micro_batches, pb.virtual, self.positions)
+        self.order = completion_order(self.schedule, self.positions)  # fixed: it does not depend on the times
         self.types = [[t for t, k in enumerate(g) if k] for g in groups]
         self.cap = [min(pb.type_capacity[t] for t in ts) for ts in self.types]
         self.pre = {name: _prefix(rows) for name, rows in (("f", pb.unit_fwd), ("b", pb.unit_bwd))}
@@ -128,17 +150,14 @@ class _Evaluator:
 
     def memory(self, ends: Sequence[int]) -> list[float]:
         """Bytes per position for chunks ending at ``ends`` (chunk c = units ends[c-1]..ends[c]-1)."""
-        p, v = self.pb.positions, self.pb.virtual
         starts = [0, *ends[:-1]]
-        out = []
-        for s in range(p):
-            sizes, static = [0.0] * v, 0.0
-            for c in range(s, len(ends), p):
-                i, j = starts[c], ends[c]
-                sizes[c // p] = self.act[j] - self.act[i]
-                static += self.bytes[j] - self.bytes[i]
-            out.append(static + max_in_flight(self.schedule[s], sizes))
-        return out
+        sizes = [[0.0] * k for k in self.counts]
+        static = [0.0] * len(self.counts)
+        for c, (i, j) in enumerate(zip(starts, ends, strict=True)):
+            s = self.positions[c]
+            sizes[s][self.local[c]] = self.act[j] - self.act[i]
+            static[s] += self.bytes[j] - self.bytes[i]
+        return [static[s] + max_in_flight(self.schedule[s], sizes[s]) for s in range(len(self.counts))]
 
     def fits(self, ends: Sequence[int]) -> bool:
         """Every position within its group's smallest capacity."""
@@ -146,17 +165,17 @@ class _Evaluator:
 
     def step(self, ends: Sequence[int]) -> float:
         """Simulated step seconds of the schedule (chunks past ``ends`` at zero cost)."""
-        p, v, m = self.pb.positions, self.pb.virtual, self.pb.micro_batches
-        starts = [0, *ends[:-1]]
-        f = [[0.0] * v for _ in range(p)]
-        b = [[0.0] * v for _ in range(p)]
+        m, starts = self.pb.micro_batches, [0, *ends[:-1]]
+        f = [[0.0] * k for k in self.counts]
+        b = [[0.0] * k for k in self.counts]
         for c, (i, j) in enumerate(zip(starts, ends, strict=True)):
-            f[c % p][c // p], b[c % p][c // p] = self._time("f", c % p, i, j), self._time("b", c % p, i, j)
+            s, k = self.positions[c], self.local[c]
+            f[s][k], b[s][k] = self._time("f", s, i, j), self._time("b", s, i, j)
         tf, tb = [sum(r) for r in f], [sum(r) for r in b]
-        shares = [[(f[s][c] / tf[s] if tf[s] else 0.0, b[s][c] / tb[s] if tb[s] else 0.0) for c in range(v)]
-                  for s in range(p)]
-        out = simulate_lanes(self.schedule, [[[tf[s]] * m] for s in range(p)], [[[tb[s]] * m] for s in range(p)],
-                             [[0.0] for _ in range(p)], chunk_shares=shares)
+        shares = [[(x / tf[s] if tf[s] else 0.0, y / tb[s] if tb[s] else 0.0) for x, y in zip(f[s], b[s], strict=True)]
+                  for s in range(len(self.counts))]
+        out = simulate_lanes(self.schedule, [[[t] * m] for t in tf], [[[t] * m] for t in tb],
+                             [[0.0] for _ in tf], chunk_shares=shares, positions=self.positions, order=self.order)
         return max(end for lanes in out["end"] for end in lanes)
 
 
@@ -192,7 +211,7 @@ def group_sequences(pb: VirtualProblem) -> list[tuple[tuple[int, ...], ...]]:
 
 def _branch(ev: _Evaluator, n: int, chunks: int, best: list, spent: list[int], budget: int) -> None:
     """Depth-first branch and bound over the chunk ends on one group sequence; ``best`` is
-    ``[step, ends, groups]``, improved in place; ``spent[0]`` counts the simulated steps (past ``budget``
+    ``[step, ends, evaluator]``, improved in place; ``spent[0]`` counts the simulated steps (past ``budget``
     only the most promising option of each open branch is followed)."""
 
     def walk(ends: list[int]) -> None:
@@ -201,7 +220,7 @@ def _branch(ev: _Evaluator, n: int, chunks: int, best: list, spent: list[int], b
         if c == chunks:
             step = ev.step(ends)
             if step < best[0]:
-                best[:] = [step, tuple(ends), ev.groups]
+                best[:] = [step, tuple(ends), ev]
             return
         last = n - (chunks - c - 1)  # every later chunk keeps a unit; the last chunk ends at n
         options = []
@@ -219,14 +238,32 @@ def _branch(ev: _Evaluator, n: int, chunks: int, best: list, spent: list[int], b
     walk([])
 
 
+def count_vectors(pb: VirtualProblem) -> list[tuple[int, ...]]:
+    """The chunks-per-position vectors searched: ``(v, ..., v)`` first, then (with ``vary_counts``) every other
+    way of giving the ``p * v`` chunks to the p positions, each at least one, nearest the even counts first
+    (by the sum of ``|k_s - v|``, then in lexicographic order)."""
+    p, v = pb.positions, pb.virtual
+    if not pb.vary_counts:
+        return [(v,) * p]
+    cuts = itertools.combinations(range(1, p * v), p - 1)
+    every = [tuple(b - a for a, b in zip((0, *c), (*c, p * v), strict=True)) for c in cuts]
+    return sorted(every, key=lambda k: (sum(abs(x - v) for x in k), k))
+
+
 def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> VirtualCut:
-    """The chunk cut and the per-position device groups minimizing the interleaved schedule's predicted step
-    time within memory (exact within ``budget`` simulated steps; see the module docstring for the model and
-    the algorithm).
+    """The chunk cut, the chunks per position (with ``pb.vary_counts``) and the per-position device groups
+    minimizing the interleaved schedule's predicted step time within memory (exact within ``budget`` simulated
+    steps; see the module docstring for the model and the algorithm).
+
+    The search runs in two phases: every group sequence with v chunks per position (the round-robin placement)
+    within ``budget`` simulated steps, then, with ``pb.vary_counts``, every other count vector on every group
+    sequence within ``budget // 2`` more; past its budget a phase follows only the most promising option of each
+    open branch and the second stops trying further count vectors (the cut is then marked not exact), so varying
+    the counts costs at most about half a budget more than the even search.
 
     Returns:
-        The optimal :class:`VirtualCut`; among equal steps, the first group sequence of
-        :func:`group_sequences` reaching it.
+        The optimal :class:`VirtualCut`; among equal steps, v chunks each over other counts, then the first
+        group sequence of :func:`group_sequences` (and count vector of :func:`count_vectors`) reaching it.
 
     Raises:
         ValueError: inconsistent input (:meth:`VirtualProblem.check`).
@@ -236,20 +273,26 @@ def plan_virtual_stages(pb: VirtualProblem, budget: int = SEARCH_BUDGET) -> Virt
     pb.check()
     n, chunks = len(pb.unit_fwd), pb.positions * pb.virtual
     best: list = [math.inf, None, None]
-    spent = [0]
-    for groups in group_sequences(pb):
-        _branch(_Evaluator(pb, groups), n, chunks, best, spent, budget)
+    spent, seqs, (even, *others) = [0], group_sequences(pb), count_vectors(pb)
+    for groups in seqs:  # phase 1: v chunks each (the round-robin placement)
+        _branch(_Evaluator(pb, groups, even), n, chunks, best, spent, budget)
+    exact, limit = spent[0] <= budget, spent[0] + budget // 2
+    for counts, groups in itertools.product(others, seqs):  # phase 2: other counts, with a budget of their own
+        if spent[0] > limit:
+            exact = False
+            break
+        _branch(_Evaluator(pb, groups, counts), n, chunks, best, spent, limit)
     if best[1] is None:
         _infeasible(pb, n, chunks)
-    ev = _Evaluator(pb, best[2])
+    ev = best[2]
     ends = best[1]
-    counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
-    return VirtualCut(counts, best[2], best[0], tuple(ev.memory(ends)), spent[0] <= budget)
+    sizes = tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    return VirtualCut(sizes, ev.groups, best[0], tuple(ev.memory(ends)), exact and spent[0] <= limit, ev.positions)
 
 
 def _infeasible(pb: VirtualProblem, n: int, chunks: int) -> None:
     """Raise :class:`InfeasiblePlanError` for the evenest cut on the memory-order groups."""
-    ev = _Evaluator(pb, group_sequences(pb)[0])
+    ev = _Evaluator(pb, group_sequences(pb)[0], count_vectors(pb)[0])
     ends = [round(n * (c + 1) / chunks) for c in range(chunks)]
     ends = [max(e, c + 1) for c, e in enumerate(ends)]
     need = ev.memory(ends)
@@ -262,12 +305,13 @@ def _infeasible(pb: VirtualProblem, n: int, chunks: int) -> None:
 
 
 def brute_force(pb: VirtualProblem) -> float:
-    """The optimal step by enumerating every group sequence and every cut (tests; exponential)."""
+    """The optimal step by enumerating every group sequence, chunk count vector and cut (tests; exponential)."""
     n, chunks, best = len(pb.unit_fwd), pb.positions * pb.virtual, math.inf
     for groups in group_sequences(pb):
-        ev = _Evaluator(pb, groups)
-        for cuts in itertools.combinations(range(1, n), chunks - 1):
-            ends = [*cuts, n]
-            if ev.fits(ends):
-                best = min(best, ev.step(ends))
+        for counts in count_vectors(pb):
+            ev = _Evaluator(pb, groups, counts)
+            for cuts in itertools.combinations(range(1, n), chunks - 1):
+                ends = [*cuts, n]
+                if ev.fits(ends):
+                    best = min(best, ev.step(ends))
     return best

@@ -26,7 +26,7 @@ from whale.parallel.regions import SplitRuntime
 from whale.parallel.stages import build_stage
 from whale.parallel.zero_sync import build_grad_sync
 from whale.plan.plan import Plan, PlanError
-from whale.plan.schedule import make_schedule
+from whale.plan.schedule_chunks import schedule_for
 from whale.runtime import heartbeat
 from whale.runtime.batch import BatchError, agree_on_batch, batch_size
 from whale.runtime.buffers import BufferSync, check_batchnorms
@@ -50,6 +50,9 @@ def _links(plan: Plan, stage: int, lane: int) -> StageLinks:
     """This rank's place in the pipeline; interleaved plans add the wrap-around peers of its lane."""
     if plan.virtual_stages == 1:
         return StageLinks(stage, plan.num_stages)
+    if plan.chunk_positions:  # stages of different chunk counts: the lane's rank on every stage
+        return StageLinks(stage, plan.num_stages, len(plan.chunks_of(stage)), chunk_stages=plan.chunk_positions,
+                          lane_ranks=tuple(plan.rank_of(s, lane) for s in range(plan.num_stages)))
     return StageLinks(stage, plan.num_stages, plan.virtual_stages, plan.rank_of(plan.num_stages - 1, lane),
                       plan.rank_of(0, lane))
 
@@ -104,8 +107,8 @@ class Engine(GradientUpdate, EngineState):
         self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)
-        self.schedule = make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch,
-                                      plan.virtual_stages)  # every stage's actions
+        self.schedule = schedule_for(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages,
+                                     plan.chunk_positions)  # every stage's actions
         self.actions = self.schedule[self.stage]
         self.steps_done = 0
         self.run_id: str | None = None  # the checkpoint run (ckpt_runs): made at the first save, adopted by a load

@@ -118,7 +118,7 @@ def local_work(engine, batch, global_batch: int, kind: str, metrics: dict | None
         agree_on_global_batch(global_batch, engine.world_size, engine.ctx.device, error)
     elif error is not None:
         raise error
-    if isinstance(engine.loss_fn, SumOverCount) and engine.stage == engine.plan.num_stages - 1:
+    if isinstance(engine.loss_fn, SumOverCount) and engine.stage == engine.plan.last_stage:
         count = global_count(engine.loss_fn.count(batch[1]), engine.mesh.lanes, engine.ctx.device)
         work = dataclasses.replace(work, scales=[1.0 / count if count else 0.0] * len(work.scales))
     return work

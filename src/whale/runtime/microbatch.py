@@ -32,7 +32,7 @@ def micro_batches(engine, batch, metrics: dict | None = None, global_batch: int 
     engine.split.start_step(engine.plan, rows, engine.lane)
     loss_rows = engine.split.loss_rows(engine.plan, rows, engine.lane)
     dev = engine.ctx.device
-    last = engine.stage == engine.plan.num_stages - 1
+    last = engine.stage == engine.plan.last_stage  # it runs the model's last chunk: the loss
     if global_batch is None:
         def take(x, a, b):
             """Rows a:b of x, on this rank's device."""

@@ -155,7 +155,7 @@ class PlanSampler(Sampler[list[int]]):
         self._positions = local_rows(plan, self.rank, self.global_batch)  # raises PlanError first
         self._plan = plan
         stage, _ = plan.coords(self.rank)
-        self.loads = stage in (0, plan.num_stages - 1)
+        self.loads = stage in (0, plan.last_stage)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order (call it before each epoch, with the same value on every rank). Another

@@ -63,12 +63,15 @@ def step_events(timeline: list, phases: list, rank: int, offset_s: float = 0.0) 
     return out
 
 
-def predicted_events(schedule: Schedule, fwd: list[float], bwd: list[float], offset_s: float = 0.0) -> list[dict]:
+def predicted_events(schedule: Schedule, fwd: list[float], bwd: list[float], offset_s: float = 0.0,
+                     positions: tuple[int, ...] | None = None) -> list[dict]:
     """The simulator's step of ``schedule`` (one lane per stage) as trace events, stage s as process
     ``PREDICTED_PID + s``; ``fwd`` / ``bwd``: seconds of one micro-batch's forward / backward through each stage
-    (all its chunks; the W of a split backward counted in ``bwd``)."""
+    (all its chunks; the W of a split backward counted in ``bwd``); ``positions``: the chunk -> stage map of an
+    interleaved plan whose stages hold different chunk counts (``Plan.chunk_positions``)."""
     m = sum(1 for a in schedule[0] if a.kind == "F" and a.chunk == 0)
-    sim = simulate_lanes(schedule, [[[f] * m] for f in fwd], [[[b] * m] for b in bwd], [[0.0] for _ in schedule])
+    sim = simulate_lanes(schedule, [[[f] * m] for f in fwd], [[[b] * m] for b in bwd], [[0.0] for _ in schedule],
+                         positions=positions)
     return [_event(f"{label[0]}{mb}{label[1:]}", _CATS.get(label[:1], "compute"), offset_s + start, offset_s + end,
                    PREDICTED_PID + stage) for stage, _lane, label, mb, start, end in sim["events"]]
 
@@ -82,10 +85,11 @@ def measured_costs(timeline: list) -> tuple[float, float]:
     return fwd, bwd
 
 
-def chrome_trace(per_rank: list[dict], schedule: Schedule | None = None) -> dict:
+def chrome_trace(per_rank: list[dict], schedule: Schedule | None = None,
+                 positions: tuple[int, ...] | None = None) -> dict:
     """The trace of one step from every rank's ``{"rank", "stage", "lane", "wall0", "timeline", "phases"}``
-    (:func:`write_step_trace` gathers them), with the predicted step of ``schedule`` when given (lane 0's
-    measured costs per stage)."""
+    (:func:`write_step_trace` gathers them), with the predicted step of ``schedule`` (its chunk -> stage map
+    ``positions`` when the stages hold different chunk counts) when given (lane 0's measured costs per stage)."""
     t0 = min(r["wall0"] for r in per_rank)
     events: list[dict] = []
     for r in per_rank:
@@ -98,7 +102,7 @@ def chrome_trace(per_rank: list[dict], schedule: Schedule | None = None) -> dict
             costs = [measured_costs(r["timeline"]) for r in lane0]
             events += [{"name": "process_name", "ph": "M", "pid": PREDICTED_PID + s, "tid": 0,
                         "args": {"name": f"predicted stage {s}"}} for s in range(len(schedule))]
-            events += predicted_events(schedule, [c[0] for c in costs], [c[1] for c in costs])
+            events += predicted_events(schedule, [c[0] for c in costs], [c[1] for c in costs], 0.0, positions)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -120,7 +124,7 @@ def write_step_trace(engine, path: str) -> str | None:
         gathered = [mine]
     if engine.rank != 0:
         return None
-    trace = chrome_trace(gathered, engine.schedule)
+    trace = chrome_trace(gathered, engine.schedule, engine.plan.chunk_positions or None)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(trace, f)

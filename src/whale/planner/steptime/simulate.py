@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, emulation_delays
 from whale.plan.plan import Plan
-from whale.plan.schedule import make_schedule, simulate_lanes
+from whale.plan.schedule import simulate_lanes
+from whale.plan.schedule_chunks import schedule_for
 from whale.planner.calibration_cache import Calibration
 from whale.planner.memory import MemoryOptions, StageMemory, plan_memory
 from whale.planner.steptime import cost
@@ -353,8 +354,9 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
     busy = [[sum(f) + sum(b) for f, b in zip(fs, bs, strict=True)] for fs, bs in zip(fwd, bwd, strict=True)]
     gathers = _zero3_gathers(plan, stages, fwd, bwd, cluster, calib)
     comm = _transfers(plan, stages, rows, cluster, calib)
-    sim = simulate_lanes(make_schedule(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages),
-                         fwd, bwd, comm, _peers(plan))
+    sim = simulate_lanes(schedule_for(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages,
+                                      plan.chunk_positions), fwd, bwd, comm, _peers(plan),
+                         positions=plan.chunk_positions or None)
     last_b: dict[tuple[int, int], tuple[float, float]] = {}
     for s, lane, kind, _, a, e in sim["events"]:
         if kind == "B":
