@@ -96,8 +96,9 @@ def best_cut(fwd, bwd, rest_f, rest_b, speeds) -> list[int]:
 
 def simulate_1f1b(fwd_t: list[float], bwd_t: list[float], m: int) -> float:
     """Makespan of a 1F1B step with per-stage forward/backward seconds per micro-batch, communication free
-    (Whale's own event simulator, :func:`whale.plan.schedule.simulate`)."""
-    from whale.plan.schedule import make_schedule, simulate
+    (Whale's own event simulator, :func:`whale.plan.schedule_sim.simulate`)."""
+    from whale.plan.schedule import make_schedule
+    from whale.plan.schedule_sim import simulate
 
     return simulate(make_schedule("1F1B", len(fwd_t), m), list(fwd_t), list(bwd_t))["step"]
 

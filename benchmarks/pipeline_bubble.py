@@ -59,7 +59,8 @@ class Pipe(nn.Module):
 
 def _worker(rank, world, args):
     import whale as wh
-    from whale.plan.schedule import make_schedule, schedule_bubble, simulate
+    from whale.plan.schedule import make_schedule, schedule_bubble
+    from whale.plan.schedule_sim import simulate
 
     results = []
     for schedule in args.schedules:

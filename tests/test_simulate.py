@@ -10,7 +10,8 @@ import pytest
 
 from whale.cluster import ClusterSpec, from_device_types, get_device_type
 from whale.plan.plan import Plan, TaskGraph
-from whale.plan.schedule import bubble_fraction, make_schedule, simulate, simulate_lanes
+from whale.plan.schedule import bubble_fraction, make_schedule
+from whale.plan.schedule_sim import simulate, simulate_lanes
 from whale.planner.calibration_cache import Calibration, EngineTiming, UnitTiming, load, machine_key, save
 from whale.planner.steptime import cost
 from whale.planner.steptime.simulate import StageCost, predict, speed_factors

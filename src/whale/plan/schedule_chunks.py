@@ -5,7 +5,7 @@ on each of p positions, round-robin: chunk c on position ``c % p``. Here the map
 position of model chunk c (chunks in model order, chunk c's output feeding chunk c + 1), and position s holds
 ``k_s >= 1`` chunks, its *local* chunks ``0..k_s-1`` being its model chunks in model order (an action's
 ``chunk`` is the local index, as in the round-robin schedule). A hand-off between two chunks on one position is
-local (no send or receive); :func:`whale.plan.schedule.simulate_lanes` times it as free.
+local (no send or receive); :func:`whale.plan.schedule_sim.simulate_lanes` times it as free.
 
 The order generalizes Megatron-LM's (depth-first, in groups of p micro-batches): position s runs its forwards
 chunk by chunk for micro-batches ``0..p-1`` (local chunk 0, then 1, ..., then the next p micro-batches), its

@@ -30,7 +30,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from whale.plan.schedule import make_schedule, simulate
+from whale.plan.schedule import make_schedule
+from whale.plan.schedule_sim import simulate
 from whale.planner.gpt import GPTShape
 from whale.planner.legality import split_legal
 from whale.planner.roofline import Roofline, attention_seconds, embedding_seconds, ffn_seconds, head_seconds
@@ -210,7 +211,7 @@ class TransformerEstimator(DefaultEstimator):
         return pipeline_closed_form(c.schedule, c.num_micro_batch, fwd, bwd, wgt, comm, c.virtual)
 
     def simulated_pipeline_seconds(self, c: Candidate) -> float:
-        """The same through :func:`whale.plan.schedule.simulate` (the event path): the schedule of
+        """The same through :func:`whale.plan.schedule_sim.simulate` (the event path): the schedule of
         :func:`whale.plan.schedule.make_schedule` (1F1B, GPipe, interleaved with ``c.virtual`` chunks, ZB-H1),
         each chunk at its own share of its rank's seconds, the W passes at their own seconds."""
         fwd, bwd, comm, wgt, shares = self._view(c)._passes(c)

@@ -10,7 +10,7 @@ runs on a group of ``width`` devices drawn from device *types* (``type_counts[t]
 type t). Chunk c of units ``i..j-1`` on a group takes, per micro-batch, ``max over the group's types t of
 sum(unit_fwd[i:j][t])`` seconds forward and likewise backward (the slowest device of the group sets the pace, as
 in :mod:`whale.planner.placement`). The objective is the predicted step time of the schedule with those chunk
-times: the event simulation of the schedule (:func:`whale.plan.schedule.simulate_lanes`, the one home of the
+times: the event simulation of the schedule (:func:`whale.plan.schedule_sim.simulate_lanes`, the one home of the
 schedule's timing), so the bubble, the warm-up and which chunk waits for which all count, not only the slowest
 position. Position s needs, on every device of its group, the static bytes of its chunks plus the largest sum
 of activation bytes its own action order holds at once (:func:`whale.plan.schedule.max_in_flight` with
@@ -40,8 +40,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from whale.plan.schedule import completion_order, max_in_flight, simulate_lanes
+from whale.plan.schedule import completion_order, max_in_flight
 from whale.plan.schedule_chunks import positions_from_counts, schedule_for
+from whale.plan.schedule_sim import simulate_lanes
 from whale.planner.balance import InfeasiblePlanError
 from whale.planner.placement import compositions
 from whale.units import format_bytes

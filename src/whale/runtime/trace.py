@@ -13,7 +13,7 @@ compute; the events of one step:
 - ``all-reduce``: the gradient sync after the schedule (what the backward did not hide), ``optimizer``: the update.
 
 The prediction (:func:`predicted_events`, processes ``1000 + rank`` named "predicted rank r") is the event
-simulation of the same schedule (:func:`whale.plan.schedule.simulate_lanes`) fed this step's measured mean
+simulation of the same schedule (:func:`whale.plan.schedule_sim.simulate_lanes`) fed this step's measured mean
 forward and backward seconds per stage, with free communication: the bubble the schedule alone leaves.
 """
 
@@ -24,7 +24,8 @@ import os
 
 import torch.distributed as dist
 
-from whale.plan.schedule import Schedule, simulate_lanes
+from whale.plan.schedule import Schedule
+from whale.plan.schedule_sim import simulate_lanes
 
 PREDICTED_PID = 1000
 """Process id offset of the predicted ranks in the trace."""

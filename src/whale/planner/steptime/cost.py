@@ -1,7 +1,7 @@
 """Analytic cost model: compute, communication and memory.
 
 Pure functions of numbers. Units: FLOPs (floating-point operations), FLOP/s, bytes, bytes/s, seconds.
-Pipeline step times come from the event simulator (:func:`whale.plan.schedule.simulate`), not from here; this
+Pipeline step times come from the event simulator (:func:`whale.plan.schedule_sim.simulate`), not from here; this
 module gives its per-event costs. What a schedule implies (micro-batches in flight, the bubble) lives with the
 schedules in :mod:`whale.plan.schedule`.
 """

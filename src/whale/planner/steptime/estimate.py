@@ -1,6 +1,6 @@
 """The default estimator of the search: predicted step seconds and per-device peak bytes of a
 :class:`whale.planner.search.Candidate`, from the cost model (:mod:`whale.planner.steptime.cost`), the event simulator
-(:func:`whale.plan.schedule.simulate`) and the memory model (:mod:`whale.planner.memory`). Formulas live there;
+(:func:`whale.plan.schedule_sim.simulate`) and the memory model (:mod:`whale.planner.memory`). Formulas live there;
 this module only decides what each device of a candidate does.
 
 Per stage s (layers ``stage_layers[s]``) on ``d`` lanes of ``t`` devices, a micro-batch of R = B / m rows:
@@ -38,7 +38,8 @@ import numpy as np
 
 from whale.cluster import ClusterSpec, DeviceType, memory_capacity
 from whale.memory.host import host_memory_capacity
-from whale.plan.schedule import in_flight_micro_batches, make_schedule, simulate
+from whale.plan.schedule import in_flight_micro_batches, make_schedule
+from whale.plan.schedule_sim import simulate
 from whale.plan.shares import proportional_shares
 from whale.planner.memory import MemoryOptions, StageMemory, rank_memory
 from whale.planner.model_desc import ModelDesc

@@ -8,7 +8,7 @@ forward/backward seconds of one micro-batch, per rank busy and idle seconds, com
 
 The step, as the runtime runs it:
 
-1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule.simulate_lanes`):
+1. the schedule (1F1B/GPipe) over every (stage, lane) rank (:func:`whale.plan.schedule_sim.simulate_lanes`):
    compute = :func:`segment_seconds` (a split stage's lanes at the pace of their replica's slowest, plus its
    collectives); transfers = :func:`whale.planner.steptime.cost.p2p_time`; ZeRO-3 all-gathers before every segment;
 2. data-parallel gradient sync overlapped with the last backward: buckets (1 MiB, then 25 MiB) ready in turn
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, emulation_delays
 from whale.plan.plan import Plan
-from whale.plan.schedule import simulate_lanes
 from whale.plan.schedule_chunks import schedule_for
+from whale.plan.schedule_sim import simulate_lanes
 from whale.planner.calibration_cache import Calibration
 from whale.planner.memory import MemoryOptions, StageMemory, plan_memory
 from whale.planner.steptime import cost
