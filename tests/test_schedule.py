@@ -15,9 +15,9 @@ from whale.plan.schedule import (
     make_schedule,
     max_in_flight,
     schedule_bubble,
-    simulate,
     validate,
 )
+from whale.plan.schedule_sim import simulate
 
 
 @given(st.integers(1, 8), st.integers(1, 16), st.sampled_from(["1F1B", "GPipe"]))

@@ -10,8 +10,9 @@ import pytest
 
 from whale.plan import schedule as sch
 from whale.plan.schedule_chunks import chunked_1f1b, counts_of, positions_from_counts, round_robin, schedule_for
+from whale.plan.schedule_sim import simulate_lanes
 
-ScheduleError, interleaved_1f1b, simulate_lanes = sch.ScheduleError, sch.interleaved_1f1b, sch.simulate_lanes
+ScheduleError, interleaved_1f1b = sch.ScheduleError, sch.interleaved_1f1b
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
