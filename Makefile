@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-hf train-elastic test test-durations lint bench report clean
+.PHONY: setup train train-hf train-elastic test test-durations test-cpu lint bench report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ test: $(STAMP)
 test-durations: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=0 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist load --maxschedchunk 1) > .durations.log || (tail -20 .durations.log; exit 1)
 	$(PY) tests/scripts/durations.py .durations.log tests/durations.json
+
+# CPU seconds per test (tests/scripts/cpu_seconds.py): the suite's CPU floor on this host, a full run
+test-cpu: $(STAMP)
+	rm -f .cpu_seconds.jsonl
+	HF_HUB_OFFLINE=1 WHALE_CPU_LOG=$(CURDIR)/.cpu_seconds.jsonl $(PY) -m pytest -q -p tests.scripts.cpu_seconds $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist load --maxschedchunk 1) > .cpu_seconds.log || (tail -20 .cpu_seconds.log; exit 1)
+	$(PY) tests/scripts/cpu_seconds.py .cpu_seconds.jsonl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
