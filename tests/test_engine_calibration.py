@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from whale.planner.calibration_cache import ENGINE_VERSION, Calibration, EngineTiming
+from whale.planner.calibration_cache import ENGINE_VERSION, MODEL_ENGINE_VERSION, Calibration, EngineTiming
 from whale.planner.steptime import cost
 from whale.planner.steptime.simulate import StageCost, segment_seconds
 
@@ -32,12 +32,42 @@ def test_segment_seconds_stretches_the_engine_seconds_and_adds_the_micro_batch_o
     assert segment_seconds(st, 10, 8.0, new) == pytest.approx((8 * 1.5 * 0.2 + 0.01, 8 * 1.2 * 0.4 + 0.01))
 
 
+def test_crowded_ranks_pay_the_crowding_on_the_whole_engine_segment():
+    """4 ranks on 2 cores with crowd 0.25: every engine second x 1.25; 6 ranks x 1.5; up to one rank per core,
+    without a crowding fit, or off this machine (ranks 0): unchanged."""
+    e = EngineTiming(fwd_scale=2.0, bwd_scale=3.0, fwd_overhead=0.1, split_fwd=0.5, crowd=0.25, crowd_cores=2)
+    plain = e.segment(1.0, 2.0, 8.0, split_calls=1)
+    assert e.crowding(0) == e.crowding(2) == 1.0 and e.crowding(4) == 1.25 and e.crowding(6) == 1.5
+    assert e.segment(1.0, 2.0, 8.0, 1, ranks=4) == pytest.approx(tuple(1.25 * t for t in plain))
+    assert EngineTiming(crowd=0.25).crowding(8) == 1.0
+    st = StageCost(fwd_per_row=0.01, bwd_per_row=0.02)
+    cal = Calibration(segment_overhead=0.0, engine=e)
+    assert segment_seconds(st, 10, 8.0, cal, ranks=4) == pytest.approx(
+        tuple(1.25 * t for t in segment_seconds(st, 10, 8.0, cal, ranks=2)))
+
+
+def test_crowding_is_fitted_from_the_crowded_runs_against_the_two_rank_line(monkeypatch):
+    """The crowded runs' engine seconds per emulated second over the 2-rank fit's, less one, per extra rank per
+    core: runs 1.5x the fit on 4 ranks of a 2-core machine give crowd 0.5; a machine of 4 cores runs none."""
+    from whale.calibration import engine as ce
+
+    fit = EngineTiming(fwd_scale=2.0, bwd_scale=2.0, version=MODEL_ENGINE_VERSION)
+    runs = [{"slowdown": 7.0, "wall_f": 1.5 * 2.0 * 0.1, "wall_b": 1.5 * 2.0 * 0.2}]
+    monkeypatch.setattr(ce, "_spawn", lambda world, r, **kw: [runs] * world)
+    monkeypatch.setattr(ce, "_isolated", lambda r, *a: (0.1, 0.2, 0))
+    monkeypatch.setattr(ce.os, "cpu_count", lambda: 2)
+    got = ce._crowding(fit, None, Calibration(), 1, 1, False)
+    assert got.crowd == pytest.approx(0.5) and got.crowd_cores == 2 and got.crowding(4) == pytest.approx(1.5)
+    monkeypatch.setattr(ce.os, "cpu_count", lambda: 4)
+    assert ce._crowding(fit, None, Calibration(), 1, 1, False) is fit
+
+
 def test_calibration_round_trips_the_engine_fits_and_picks_the_models_own():
-    mine = EngineTiming(fwd_scale=1.7)
+    mine = EngineTiming(fwd_scale=1.7, version=MODEL_ENGINE_VERSION)
     cal = Calibration(key="k", engine=EngineTiming(fwd_scale=1.2), model_engines={"sig": mine})
     back = Calibration.from_dict(cal.to_dict())
     assert back == cal and back.for_model("sig").engine == mine and back.for_model("other") is back
-    stale = Calibration(model_engines={"sig": EngineTiming(version=ENGINE_VERSION - 1)})
+    stale = Calibration(model_engines={"sig": EngineTiming(version=ENGINE_VERSION)})  # a machine-fit version
     assert stale.for_model("sig") is stale
 
 
@@ -101,6 +131,7 @@ def test_gpt_job_names_the_engine_fit_it_lacks(tmp_path, monkeypatch):
     save(Calibration(key=machine_key(), engine=EngineTiming()), path)
     assert _missing_fit(model, x, tracked=True) == "engine fit of this model"
     sig = model_signature(unit_keys(model, (x, x), None, loss, tracked=True))
-    save(Calibration(key=machine_key(), engine=EngineTiming(), model_engines={sig: EngineTiming()}), path)
+    fit = EngineTiming(version=MODEL_ENGINE_VERSION)
+    save(Calibration(key=machine_key(), engine=EngineTiming(), model_engines={sig: fit}), path)
     assert _missing_fit(model, x, tracked=True) == ""
     assert _missing_fit(model, x, tracked=False) == "engine fit of this model"  # untracked units: another key

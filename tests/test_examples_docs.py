@@ -303,6 +303,7 @@ def test_whale_simulate_prints_the_plan_before_the_prediction(tmp_path, monkeypa
     from whale.frontend import hwplan
     from whale.frontend.unit_keys import unit_keys
     from whale.planner.calibration_cache import (
+        MODEL_ENGINE_VERSION,
         Calibration,
         EngineTiming,
         UnitTiming,
@@ -317,7 +318,8 @@ def test_whale_simulate_prints_the_plan_before_the_prediction(tmp_path, monkeypa
     units = {k: UnitTiming(1e-4, 2e-4, 1e-3, 2e-3) for k in keys.values()}
     path = tmp_path / "cal.json"
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8, units=units,
-                     engine=EngineTiming(), model_engines={model_signature(keys): EngineTiming()}), path)
+                     engine=EngineTiming(),
+                     model_engines={model_signature(keys): EngineTiming(version=MODEL_ENGINE_VERSION)}), path)
     monkeypatch.setenv("WHALE_CALIBRATION", str(path))
     args = ["--model", "examples.gpt.model:for_plan", "--world", "2", "--micro-batches", "2", "--cluster",
             "examples/clusters/v100_p100_2.yaml", "--args", *[f"{k}={v}" for k, v in kw.items()]]

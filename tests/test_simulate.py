@@ -12,7 +12,15 @@ from whale.cluster import ClusterSpec, from_device_types, get_device_type
 from whale.plan.plan import Plan, TaskGraph
 from whale.plan.schedule import bubble_fraction, make_schedule
 from whale.plan.schedule_sim import simulate, simulate_lanes
-from whale.planner.calibration_cache import Calibration, EngineTiming, UnitTiming, load, machine_key, save
+from whale.planner.calibration_cache import (
+    MODEL_ENGINE_VERSION,
+    Calibration,
+    EngineTiming,
+    UnitTiming,
+    load,
+    machine_key,
+    save,
+)
 from whale.planner.steptime import cost
 from whale.planner.steptime.simulate import StageCost, predict, speed_factors
 
@@ -147,8 +155,9 @@ def test_whale_simulate_prints_the_prediction_and_writes_a_timeline(tmp_path, mo
     from whale.cli import main
 
     path = tmp_path / "cal.json"
+    fit = EngineTiming(version=MODEL_ENGINE_VERSION)
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8,
-                     engine=EngineTiming(fwd_scale=1.5), model_engines={_gpt_signature(): EngineTiming()}), path)
+                     engine=EngineTiming(fwd_scale=1.5), model_engines={_gpt_signature(): fit}), path)
     monkeypatch.setenv("WHALE_CALIBRATION", str(path))
     png = tmp_path / "t.png"
     rc = main(["simulate", "--model", "examples.gpt.model:for_plan", "--world", "2", "--micro-batches", "2",

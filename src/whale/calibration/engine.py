@@ -51,7 +51,7 @@ from whale.frontend.simcost import covers, model_costs
 from whale.frontend.unit_keys import rows_of, unit_keys
 from whale.loss import token_cross_entropy
 from whale.plan.plan import Plan
-from whale.planner.calibration_cache import Calibration, EngineTiming, cache_path
+from whale.planner.calibration_cache import MODEL_ENGINE_VERSION, Calibration, EngineTiming, cache_path
 from whale.runtime.context import init
 from whale.runtime.parallelize import parallelize
 
@@ -65,9 +65,17 @@ SAMPLES = ((32, 1), (64, 2), (128, 2))
 SPLIT_SAMPLE = (64, 2)
 """``(width, split)`` of the 2-rank split calibration runs' :class:`CalibrationNet` (its MLP split in two)."""
 MICRO_BATCHES, SPLIT_MICRO_BATCHES = (1, 4, 16), (1, 2, 4)
+MODEL_MICRO_BATCHES = (1, 2, 4, 8)
+"""Micro-batches of a model's own engine fit (:func:`calibrate_model`): of :data:`MODEL_ROWS` rows over 2 ranks,
+segments of 8 down to 1 row, an 8x span that pins the model's own per-segment intercept."""
 BATCH, SEQ, VOCAB = 16, 32, 512
 MACHINE_MINUTES = 2
 """Measured minutes of :func:`calibrate_engine` on 2 cores (the estimate its first progress line gives)."""
+CROWD_RANKS, CROWD_MICRO_BATCHES = 4, (2, 4)
+"""A model's crowded runs (:func:`_crowding`): 4 ranks on this machine, :data:`MODEL_ROWS` rows in segments
+of 2 and 1 rows."""
+CROWD_SLOWDOWNS = (UNEQUAL[0], UNEQUAL[0], UNEQUAL[1], UNEQUAL[1])
+"""Slowdowns of the 4 crowded ranks (two pairs of unequal speed, as the 2-rank runs)."""
 MODEL_ROWS = 16
 """At most this many rows of a model's sample batch feed its own engine fit (:func:`calibrate_model`): the
 scales are per unit second, and a job's full batch would make the stretched runs take minutes."""
@@ -326,13 +334,16 @@ def calibrate_engine(calib: Calibration, warmup: int = 3, steps: int = 6) -> Cal
 def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration, tracked: bool = False,
                     warmup: int = 3, steps: int = 6) -> EngineTiming:
     """The engine fit of ``model`` itself: its own 2-rank data-parallel runs (every top-level module
-    replicated, :func:`_replicated_plan`) at :data:`SPLIT_MICRO_BATCHES` micro-batches of ``sample_batch``
+    replicated, :func:`_replicated_plan`) at :data:`MODEL_MICRO_BATCHES` micro-batches of ``sample_batch``
     (its first :data:`MODEL_ROWS` rows), without waits and twice stretched by :data:`UNEQUAL`, in two spawned
-    processes (model, batch, loss pickled); the per-segment scales of :func:`_fit_segments` against the
-    model's isolated unit seconds (``calib`` must hold them) with the machine's per-segment intercepts kept,
-    the rest (per micro-batch, split calls) from the machine's fit ``calib.engine``. With ``tracked`` the
-    runs and the unit timings are under the CPU memory tracker (as an emulated run's). 40 s for the planner
-    benchmark's GPT, 4 min for ``make train``'s, on 2 cores; nothing is saved here.
+    processes (model, batch, loss pickled); per direction the line of :func:`_fit_segments` (the model's own
+    per-segment intercept and scale, by relative least squares over segments of 1 to 8 rows) against the
+    model's isolated unit seconds (``calib`` must hold them), the rest (per micro-batch, split calls) from the
+    machine's fit ``calib.engine``; version :data:`~whale.planner.calibration_cache.MODEL_ENGINE_VERSION`. (The
+    machine's intercepts, fitted on ``CalibrationNet``, under-priced a GPT's 1-row segments by a third: a
+    model's hooks and small kernels cost per segment what its units' isolated per-call costs do not show.)
+    With ``tracked`` the runs and the unit timings are under the CPU memory tracker (as an emulated run's).
+    50 s for the planner benchmark's GPT, 5 min for ``make train``'s, on 2 cores; nothing is saved here.
 
     Raises:
         RuntimeError: the model cannot run (or be pickled) in the spawned process.
@@ -343,13 +354,34 @@ def calibrate_model(model: nn.Module, sample_batch, loss_fn, calib: Calibration,
                          "(whale.calibration.measure.calibration)")
     full = sample_rows(sample_batch)
     sample = (model, rows_of(sample_batch, min(full, MODEL_ROWS), full), loss_fn)
-    runs = [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL) for m in SPLIT_MICRO_BATCHES]
+    runs = [(sample, m, s, warmup, steps, tracked) for s in ((0.0, 0.0), UNEQUAL, UNEQUAL) for m in MODEL_MICRO_BATCHES]
     progress(f"measuring the engine fit of this model ({type(model).__name__}), once per model (cached in "
              f"{cache_path()}): {len(runs)} two-rank data-parallel runs of its first {min(full, MODEL_ROWS)} rows, "
              "40 s to 4 min on 2 cores by its size")
     got = _spawn(2, runs, what="model engine fit, run")
     runs = [r for rank in got for r in rank]
     machine = calib.engine or EngineTiming()
-    fixed = {f"{h}{d}_overhead": getattr(machine, f"{h}{d}_overhead") for h in ("", "hot_") for d in ("fwd", "bwd")}
-    fits = _fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs], fixed)
-    return dataclasses.replace(machine, **fits, stretch=STRETCH)
+    fit = dataclasses.replace(machine, **_fit_segments(runs, [_isolated(r, calib, sample, tracked) for r in runs]),
+                              stretch=STRETCH, version=MODEL_ENGINE_VERSION)
+    return _crowding(fit, sample, calib, warmup, steps, tracked)
+
+
+def _crowding(fit: EngineTiming, sample, calib: Calibration, warmup: int, steps: int,
+              tracked: bool) -> EngineTiming:
+    """``fit`` with its crowding (:meth:`EngineTiming.crowding`) when this machine has fewer than
+    :data:`CROWD_RANKS` cores: the model's data-parallel runs on that many ranks (:data:`CROWD_MICRO_BATCHES`,
+    stretched by :data:`CROWD_SLOWDOWNS`), the median over ranks, runs and directions of their engine seconds
+    per emulated second over what the 2-rank ``fit`` gives for the same segments, as
+    ``crowd = (ratio - 1) / (CROWD_RANKS / cores - 1)``."""
+    cores = os.cpu_count() or 1
+    if cores >= CROWD_RANKS:
+        return fit
+    runs = [(sample, m, CROWD_SLOWDOWNS, warmup, steps, tracked) for m in CROWD_MICRO_BATCHES]
+    got = [r for rank in _spawn(CROWD_RANKS, runs, what="model engine fit, crowded run") for r in rank]
+    ratios = []
+    for r in got:
+        xf, xb, _ = _isolated(r, calib, sample, tracked)
+        f, b = fit.segment(xf, xb, 1.0 + r["slowdown"])
+        ratios += [r["wall_f"] / f, r["wall_b"] / b]
+    crowd = max(0.0, (statistics.median(ratios) - 1.0) / (CROWD_RANKS / cores - 1.0))
+    return dataclasses.replace(fit, crowd=crowd, crowd_cores=cores)

@@ -216,10 +216,25 @@ def _comm_worker(rank: int, init_file: str, sizes: list[int], repeats: int, out)
                     dist.send(buf[:1], 0)
                 times.append(time.perf_counter() - t0)
             res[(kind, n)] = statistics.median(times[1:])
+    res[("cpu", 0)] = _collective_cpu(4 * repeats)
     if rank == 0:
         out.put(res)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collective_cpu(calls: int) -> float:
+    """Median CPU seconds of this thread per small gloo collective issued as the runtime issues ZeRO's
+    (``dist.broadcast(..., async_op=True)`` then ``wait()``, the source alternating): the Python and c10d
+    dispatch, gloo's enqueue and the wait's bookkeeping. The transfer itself runs on gloo's threads, off this
+    thread's clock."""
+    buf, times = torch.zeros(256), []
+    for i in range(calls + 1):
+        dist.barrier()
+        t0 = time.thread_time()
+        dist.broadcast(buf, src=i % 2, async_op=True).wait()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times[1:])
 
 
 def _result(queue, procs, timeout: float = 120.0) -> dict:
@@ -241,8 +256,10 @@ def _result(queue, procs, timeout: float = 120.0) -> dict:
 
 def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict[str, float]:
     """gloo on localhost between two spawned processes: ``{"p2p_latency", "p2p_bandwidth", "allreduce_latency",
-    "allreduce_bandwidth"}`` (seconds, bytes/s), from a ``small`` and a ``large`` message (bytes). A 2-rank ring
-    all-reduce sends S bytes in 2 steps, so its latency is half the small message's time."""
+    "allreduce_bandwidth", "collective_cpu_seconds"}`` (seconds, bytes/s), from a ``small`` and a ``large``
+    message (bytes). A 2-rank ring all-reduce sends S bytes in 2 steps, so its latency is half the small
+    message's time; ``collective_cpu_seconds``: the calling thread's CPU per collective call
+    (:func:`_collective_cpu`)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(dir=os.environ.get("WHALE_SCRATCH")) as tmp:
@@ -255,4 +272,5 @@ def measure_comm(small: int = 4, large: int = 4 << 20, repeats: int = 7) -> dict
     p2p_bw = (large - small) / max(1e-9, res[("p2p", large)] - res[("p2p", small)])
     ar_lat = max(1e-6, res[("allreduce", small)] / 2)
     ar_bw = (large - small) / max(1e-9, res[("allreduce", large)] - res[("allreduce", small)])  # sent 2(n-1)/n S = S
-    return {"p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw}
+    return {"p2p_latency": p2p_lat, "p2p_bandwidth": p2p_bw, "allreduce_latency": ar_lat, "allreduce_bandwidth": ar_bw,
+            "collective_cpu_seconds": res[("cpu", 0)]}

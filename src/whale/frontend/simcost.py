@@ -87,8 +87,21 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
             trainable_elements=mems[s].trainable_elements,
             recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
                                   if memplan._inside(u.name, targets) and vkeys.get(u.name) not in calib.units),
-            **_split_bytes(real, split)))
+            zero3_units=_zero3_units(plan, model), **_split_bytes(real, split)))
     return out
+
+
+def _zero3_units(plan: Plan, model: nn.Module) -> int:
+    """Units ZeRO-3 gathers and frees around every call of a stage (:func:`whale.parallel.zero3_unit.find_units`):
+    a pipeline stage's one (its root, freed after each forward), else the model's repeated layers (or its
+    children with parameters); the root of an unpipelined model stays gathered. 0 without ZeRO-3."""
+    if plan.zero < 3:
+        return 0
+    if plan.is_pipeline:
+        return 1
+    names = memplan.repeated_layers(model)
+    return len(names) if names else sum(1 for _, c in model.named_children() if next(c.parameters(), None) is not None
+                                        and not isinstance(c, nn.ModuleList | nn.ModuleDict))
 
 
 def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:

@@ -46,6 +46,10 @@ class UnitTiming:
 ENGINE_VERSION = 2
 """Version of the engine calibration's procedure (:mod:`whale.calibration.engine`): a cached
 :class:`EngineTiming` of another version is measured again (2: per-segment intercepts fitted)."""
+MODEL_ENGINE_VERSION = 4
+"""Version of a model's own engine fit (:func:`whale.calibration.engine.calibrate_model`, in
+:attr:`Calibration.model_engines`); another version is measured again (4: the model's own intercepts, from
+segments of 1 to 8 rows, and the crowding of 4 ranks on the machine's cores)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class EngineTiming:
     at real speed: ``micro_batch_overhead`` per micro-batch (executor bookkeeping, batch slicing).
     A split (sharded) module adds ``split_fwd`` / ``split_bwd`` CPU seconds per call (its bridges'
     and collectives' bookkeeping), fitted on a 2-rank split run.
+
+    Crowding (a model's own fit only): with more ranks than the machine's ``crowd_cores`` cores, ranks share a
+    core and each wakes from its emulation wait into caches the others have just evicted, so the same segment
+    costs more: engine seconds x ``1 + crowd x (ranks / crowd_cores - 1)`` (:meth:`crowding`), ``crowd`` fitted
+    from the model's 4-rank runs against its 2-rank line (:func:`whale.calibration.engine.calibrate_model`).
     """
 
     fwd_scale: float = 1.0
@@ -76,6 +85,16 @@ class EngineTiming:
     split_bwd: float = 0.0
     stretch: float = 8.0
     version: int = ENGINE_VERSION
+    crowd: float = 0.0
+    crowd_cores: int = 0
+
+    def crowding(self, ranks: int) -> float:
+        """Engine seconds per engine second of an uncrowded rank when ``ranks`` ranks share this machine's
+        ``crowd_cores`` cores (1.0 at or below one rank per core, or without a crowding fit; ``ranks`` = 0:
+        not on this machine)."""
+        if self.crowd_cores <= 0 or ranks <= self.crowd_cores:
+            return 1.0
+        return 1.0 + self.crowd * (ranks / self.crowd_cores - 1.0)
 
     def weight(self, factor: float) -> float:
         """Blend weight of the stretched fit for a rank of speed ``factor``: its waiting fraction
@@ -84,15 +103,17 @@ class EngineTiming:
             return 0.0
         return min(1.0, (1.0 - 1.0 / factor) / (1.0 - 1.0 / self.stretch))
 
-    def segment(self, fwd: float, bwd: float, factor: float, split_calls: int = 0) -> tuple[float, float]:
+    def segment(self, fwd: float, bwd: float, factor: float, split_calls: int = 0,
+                ranks: int = 0) -> tuple[float, float]:
         """Engine CPU seconds ``(forward, backward)`` of a segment whose units take ``fwd``/``bwd`` isolated
-        seconds, with ``split_calls`` split-module calls, on a rank of speed ``factor``."""
-        w = self.weight(factor)
+        seconds, with ``split_calls`` split-module calls, on a rank of speed ``factor``, one of ``ranks`` on
+        this machine (:meth:`crowding`; 0: not on this machine)."""
+        w, c = self.weight(factor), self.crowding(ranks)
         mix = lambda hot, cold: hot + w * (cold - hot)  # noqa: E731
-        return (mix(self.hot_fwd_scale, self.fwd_scale) * fwd + mix(self.hot_fwd_overhead, self.fwd_overhead)
-                + split_calls * self.split_fwd,
-                mix(self.hot_bwd_scale, self.bwd_scale) * bwd + mix(self.hot_bwd_overhead, self.bwd_overhead)
-                + split_calls * self.split_bwd)
+        return (c * (mix(self.hot_fwd_scale, self.fwd_scale) * fwd + mix(self.hot_fwd_overhead, self.fwd_overhead)
+                     + split_calls * self.split_fwd),
+                c * (mix(self.hot_bwd_scale, self.bwd_scale) * bwd + mix(self.hot_bwd_overhead, self.bwd_overhead)
+                     + split_calls * self.split_bwd))
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,10 @@ class Calibration:
         p2p_latency, p2p_bandwidth: gloo point-to-point on localhost (one message: latency + bytes/bandwidth).
         allreduce_latency, allreduce_bandwidth: gloo all-reduce on localhost, per ring step and per byte sent
             (fed to :func:`whale.planner.steptime.cost.ring_allreduce_time`).
+        collective_cpu_seconds: CPU seconds the calling thread spends per gloo collective call (dispatch,
+            enqueue, wait bookkeeping; the transfer is on gloo's threads). Inside a compute segment (ZeRO-3's
+            per-unit gathers and reduce-scatters) it is compute the emulation stretches. Measured with the
+            gloo costs (:func:`whale.calibration.units.measure_comm`); the default is this host's (2 cores).
         optimizer_seconds_per_element: the optimizer step (AdamW, fp32) per parameter element on one thread.
         segment_overhead: seconds the runtime adds to each forward or backward segment beyond the units.
         step_overhead: seconds per step outside segments, communication and optimizer (bookkeeping).
@@ -124,6 +149,7 @@ class Calibration:
     p2p_bandwidth: float = 1e9
     allreduce_latency: float = 1e-4
     allreduce_bandwidth: float = 1e9
+    collective_cpu_seconds: float = 5e-5
     optimizer_seconds_per_element: float = 5e-9
     segment_overhead: float = 2e-4
     step_overhead: float = 1e-3
@@ -150,9 +176,9 @@ class Calibration:
 
     def for_model(self, signature: str) -> Calibration:
         """This calibration with the model's own engine fit (``model_engines[signature]``, when measured and of
-        the current :data:`ENGINE_VERSION`) as ``engine``."""
+        the current :data:`MODEL_ENGINE_VERSION`) as ``engine``."""
         fit = self.model_engines.get(signature)
-        if fit is None or fit.version != ENGINE_VERSION:
+        if fit is None or fit.version != MODEL_ENGINE_VERSION:
             return self
         return dataclasses.replace(self, engine=fit)
 

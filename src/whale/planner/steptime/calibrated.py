@@ -99,7 +99,8 @@ class CalibratedEstimator(DefaultEstimator):
 
     def _seconds(self, a: int, b: int, t: int, k: int, rows: float, ckpt: bool) -> tuple[float, float]:
         """Calibrated ``(forward, backward)`` seconds (:func:`whale.planner.steptime.simulate.segment_seconds`)."""
-        return segment_seconds(self.stage_cost(a, b, t), rows, self.factors[k], self.calib, ckpt)
+        ranks = len(self.pool.rank_types) if self.emulated else 0  # emulated ranks crowd this machine's cores
+        return segment_seconds(self.stage_cost(a, b, t), rows, self.factors[k], self.calib, ckpt, ranks=ranks)
 
     def _link(self, group: int, kind: str) -> tuple[float, float]:
         """Measured local gloo (:func:`whale.planner.steptime.simulate.link`) under emulation, else the pool's links."""

@@ -166,3 +166,19 @@ def split_module_comm_time(group_rows: float, max_rows: float, in_bytes: float, 
     bwd = ring_allgather_time(n * max_rows * out_bytes, n, bandwidth, latency) + \
         ring_allreduce_time(group_rows * in_bytes, n, bandwidth, latency)
     return fwd, bwd
+
+
+def zero3_collective_calls(units: int, lanes: int, even: bool) -> tuple[int, int]:
+    """``(forward, backward)`` collective calls ZeRO-3 (:mod:`whale.parallel.zero3`) makes on one lane in one
+    micro-batch's segments over ``lanes`` data-parallel lanes: each of the ``units`` gathered per call (the
+    repeated layers; a pipeline stage's one unit) is gathered before its forward and again before its backward
+    (one all-gather when the lanes' shares are ``even``, else one broadcast per lane: gloo's all-gather refuses
+    uneven sizes) and its gradients reduce-scattered after its backward (one call). ``(0, 0)`` for one lane.
+    Each call costs the calling thread :attr:`whale.planner.calibration_cache.Calibration.collective_cpu_seconds`
+    of CPU inside the segment. Raises ValueError on negative ``units`` or ``lanes`` < 1."""
+    if units < 0 or lanes < 1:
+        raise ValueError(f"need units >= 0 and lanes >= 1, got {units}, {lanes}")
+    if lanes == 1:
+        return 0, 0
+    gather = 1 if even else lanes
+    return units * gather, units * (gather + 1)

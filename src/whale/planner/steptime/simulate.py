@@ -58,6 +58,8 @@ class StageCost:
         split_bytes, split_in_bytes, split_modules: output / input bytes per sample summed over the stage's split
             modules, and their count (:func:`whale.planner.steptime.cost.split_module_comm_time`, per micro-batch and
             way).
+        zero3_units: units ZeRO-3 gathers and frees around every call of the stage (its repeated layers; 1 for a
+            pipeline stage), for :func:`whale.planner.steptime.cost.zero3_collective_calls`.
     """
 
     fwd_per_row: float
@@ -72,6 +74,7 @@ class StageCost:
     split_bytes: float = 0.0
     split_in_bytes: float = 0.0
     split_modules: int = 0
+    zero3_units: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,31 +176,39 @@ def _add_split_comm(plan: Plan, s: int, st: StageCost, rows, fwd, bwd, cluster, 
 
 
 def segment_seconds(st: StageCost, rows: float, factor: float, calib: Calibration,
-                    checkpoint: bool = False) -> tuple[float, float]:
+                    checkpoint: bool = False, calls: tuple[int, int] = (0, 0), ranks: int = 0) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one micro-batch of ``rows`` samples through stage ``st`` on a rank of
     speed factor ``factor`` (seconds there per measured second). X = the units' overheads + rows x seconds per
-    row (+ the recomputed forward under activation checkpointing); ``factor x engine seconds(X) + micro-batch
-    overhead / 2`` with the engine fit (:class:`whale.planner.calibration_cache.EngineTiming`), else ``factor x (segment
-    overhead + X)``. The one home of the calibrated compute formula (also :mod:`whale.planner.steptime.calibrated`)."""
+    row (+ the recomputed forward under activation checkpointing); ``factor x (engine seconds(X) + C) +
+    micro-batch overhead / 2`` with the engine fit (:class:`whale.planner.calibration_cache.EngineTiming`), else
+    ``factor x (segment overhead + X + C)``; C = ``calls`` (forward, backward collective calls inside the
+    segment, e.g. :func:`whale.planner.steptime.cost.zero3_collective_calls`) x the calling thread's CPU seconds
+    per call (``calib.collective_cpu_seconds``): CPU work of the segment, stretched like the rest under
+    emulation. ``ranks``: how many ranks share this machine (emulated or local runs; 0 otherwise), for the
+    engine fit's crowding (:meth:`whale.planner.calibration_cache.EngineTiming.crowding`). The one home of the
+    calibrated compute formula (also :mod:`whale.planner.steptime.calibrated`)."""
     extra = st.recompute_per_row if checkpoint else 0.0
     f = st.fwd_overhead + rows * st.fwd_per_row
     b = st.bwd_overhead + rows * (st.bwd_per_row + extra)
+    cf, cb = (n * calib.collective_cpu_seconds for n in calls)
     if calib.engine is None:
-        return factor * (calib.segment_overhead + f), factor * (calib.segment_overhead + b)
-    f, b = calib.engine.segment(f, b, factor, st.split_modules)
+        return factor * (calib.segment_overhead + f + cf), factor * (calib.segment_overhead + b + cb)
+    f, b = calib.engine.segment(f, b, factor, st.split_modules, ranks)
     half = calib.engine.micro_batch_overhead / 2
-    return factor * f + half, factor * b + half
+    return factor * (f + cf) + half, factor * (b + cb) + half
 
 
 def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibration, options: MemoryOptions,
              cluster=None):
     """``(fwd, bwd)`` seconds ``[stage][lane][micro-batch]``."""
     fwd, bwd = [], []
+    ranks = plan.world_size if cluster is None or cluster.emulate else 0
     for s, st in enumerate(stages):
         f_s, b_s = [], []
+        calls = _zero3_calls(plan, s, st, rows[s])
         for lane, mbs in enumerate(rows[s]):
             k = factor[plan.rank_of(s, lane)]
-            times = [segment_seconds(st, r, k, calib, options.activation_checkpoint) for r in mbs]
+            times = [segment_seconds(st, r, k, calib, options.activation_checkpoint, calls, ranks) for r in mbs]
             f_s.append([f for f, _ in times])
             b_s.append([b for _, b in times])
         if any(tg.has_split for tg in plan.stage_task_graphs(s)):
@@ -206,6 +217,15 @@ def _compute(plan: Plan, stages: list[StageCost], rows, factor, calib: Calibrati
         fwd.append(f_s)
         bwd.append(b_s)
     return fwd, bwd
+
+
+def _zero3_calls(plan: Plan, s: int, st: StageCost, lanes_rows: list[list[int]]) -> tuple[int, int]:
+    """ZeRO-3's collective calls per segment of stage ``s`` (:func:`whale.planner.steptime.cost.zero3_collective_calls`;
+    the lanes' shares are even when every lane holds as many rows)."""
+    if plan.zero < 3 or st.zero3_units == 0:
+        return 0, 0
+    even = len({sum(r) for r in lanes_rows}) == 1
+    return cost.zero3_collective_calls(st.zero3_units, plan.lanes_of(s), even)
 
 
 def _lockstep(times: list[list[float]], width: int) -> list[list[float]]:
@@ -309,10 +329,11 @@ def update_seconds(elements: float, lanes: int, zero: int, offload: str, calib: 
     return out
 
 
-def _zero3_gathers(plan: Plan, stages: list[StageCost], fwd, bwd, cluster, calib) -> float:
-    """ZeRO-3: add one all-gather of the stage's parameters before every forward and backward (in place);
-    returns the seconds one rank spends in them per step (the most over stages)."""
-    worst = 0.0
+def _zero3_gathers(plan: Plan, stages: list[StageCost], fwd, bwd, cluster, calib, factor) -> float:
+    """ZeRO-3: add one all-gather of the stage's parameters to every forward and backward (in place): a wait off
+    the CPU, which under emulation the stretch absorbs (``max(stretched, CPU seconds + gather)``, as split
+    collectives); returns the seconds one rank spends in them per step (the most over stages)."""
+    worst, emulated = 0.0, cluster is not None and cluster.emulate
     for s, st in enumerate(stages):
         n = plan.lanes_of(s)
         if plan.zero < 3 or n < 2:
@@ -320,8 +341,9 @@ def _zero3_gathers(plan: Plan, stages: list[StageCost], fwd, bwd, cluster, calib
         bw, lat = link(cluster, calib, plan.stage_ranks(s), "allreduce")
         g = cost.ring_allgather_time(4.0 * st.trainable_elements, n, bw, lat)
         for arr in (fwd[s], bwd[s]):
-            for lane in arr:
-                lane[:] = [t + g for t in lane]
+            for lane, times in enumerate(arr):
+                k = factor[plan.rank_of(s, lane)]
+                times[:] = [max(t, t / k + g) if emulated else t + g for t in times]
         worst = max(worst, 2 * g * plan.num_micro_batch)
     return worst
 
@@ -352,7 +374,7 @@ def predict(plan: Plan, stages: list[StageCost], cluster: ClusterSpec | None, ca
         raise ValueError(f"factors has {len(factor)} entries for {plan.world_size} ranks; give one per rank")
     fwd, bwd = _compute(plan, stages, rows, factor, calib, options_of(plan), cluster)
     busy = [[sum(f) + sum(b) for f, b in zip(fs, bs, strict=True)] for fs, bs in zip(fwd, bwd, strict=True)]
-    gathers = _zero3_gathers(plan, stages, fwd, bwd, cluster, calib)
+    gathers = _zero3_gathers(plan, stages, fwd, bwd, cluster, calib, factor)
     comm = _transfers(plan, stages, rows, cluster, calib)
     sim = simulate_lanes(schedule_for(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages,
                                       plan.chunk_positions), fwd, bwd, comm, _peers(plan),
