@@ -180,5 +180,7 @@ class PartsFile:
         self.write()
 
     def write(self) -> None:
-        """Write the data so far and ``provenance`` (this run's, plus ``parts``)."""
+        """Write the data so far and ``provenance`` (this run's, plus ``parts``; a part left with no keys, every one
+        rewritten by later parts, is dropped)."""
+        self.parts = {name: prov for name, prov in self.parts.items() if prov.get("keys")}
         _dump(self.path, {**self.data, "provenance": {**self.run.record(), "parts": self.parts}})

@@ -101,6 +101,9 @@ def test_parts_file_labels_the_keys_of_an_old_file(tmp_path):
     assert (d["k"], d["j"]) == (1, 3)
     assert d["provenance"]["parts"]["unrecorded"]["keys"] == ["k"]
     assert d["provenance"]["parts"]["unrecorded"]["commit"].startswith("unknown")
+    rerun = _provenance.PartsFile(out, run, merge=True)
+    rerun.add("sim", {"k": 4}, since=run.start)  # every unrecorded key measured again: that part is gone
+    assert set(json.loads(out.read_text())["provenance"]["parts"]) == {"auto", "sim"}
 
 
 def test_parts_file_absorbs_the_parts_of_another_file(tmp_path):
