@@ -102,3 +102,25 @@ def test_model_costs_of_an_interleaved_plan_are_per_chunk_and_predict():
         assert len(costs) == len(mems) == 4 and costs[-1].boundary_bytes == 0 < costs[0].boundary_bytes
         pred = predict(plan, costs, None, calib, 4, mems)
         assert pred.step > 0 and len(pred.stage_fwd) == 2 and len(pred.peak_bytes) == 2
+
+
+def test_whale_simulate_prices_an_interleaved_plan(tmp_path, monkeypatch, capsys):
+    """``whale simulate --schedule Interleaved1F1B --virtual-stages 2`` on a GPT of 4 stage scopes over 2 ranks
+    (calibration and engine fit seeded: no processes)."""
+    from examples.gpt.model import for_plan
+    from whale.cli import main
+    from whale.frontend.unit_keys import unit_keys
+    from whale.planner.calibration_cache import MODEL_ENGINE_VERSION, EngineTiming, machine_key, model_signature, save
+
+    kw = {"n_layer": 4, "n_embd": 16, "n_head": 2, "vocab_size": 64, "seq_len": 8, "batch": 4, "stages": 4}
+    model, batch, loss = for_plan(**kw)
+    sig = model_signature(unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=False))
+    path = tmp_path / "cal.json"
+    save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8,
+                     engine=EngineTiming(), model_engines={sig: EngineTiming(version=MODEL_ENGINE_VERSION)}), path)
+    monkeypatch.setenv("WHALE_CALIBRATION", str(path))
+    rc = main(["simulate", "--model", "examples.gpt.model:for_plan", "--world", "2", "--micro-batches", "2",
+               "--schedule", "Interleaved1F1B", "--virtual-stages", "2", "--png", "",
+               "--args", *[f"{k}={v}" for k, v in kw.items()]])
+    out = capsys.readouterr().out
+    assert rc == 0 and "predicted step" in out and "Interleaved1F1B" in out
