@@ -40,10 +40,6 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
     factors = _factors(engine)
     if engine.rank != 0:
         return None
-    if engine.plan.virtual_stages > 1:
-        print("(no step-time prediction: the planner's step model does not price interleaved chunks yet; "
-              "--trace FILE writes the schedule simulator's predicted step beside the measured one)", flush=True)
-        return None
     try:
         cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)

@@ -102,8 +102,8 @@ def _make_plan(ns: argparse.Namespace):
     model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
     config = Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule or "1F1B", cluster=ns.cluster,
-                       hardware_aware=not ns.no_hardware_aware, precision=ns.precision, offload=ns.offload,
-                       zero=ns.zero, forbid=forbid, auto=ns.auto)
+                    virtual_stages=getattr(ns, "virtual_stages", None) or 1, hardware_aware=not ns.no_hardware_aware,
+                    precision=ns.precision, offload=ns.offload, zero=ns.zero, forbid=forbid, auto=ns.auto)
     return plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
 
 

@@ -1,10 +1,11 @@
 """A model's stage costs for the step-time model: profile + calibration ->
 :class:`whale.planner.steptime.simulate.StageCost`.
 
-:func:`stage_costs` sums, per pipeline stage, the calibrated forward/backward seconds of the layer units the
-stage holds (units by the stage holding their parameters, the loss on the last stage), the bytes it sends to
-the next stage (its last unit's output) and its trainable elements. :func:`predict_model` does the rest:
-profile, calibrate what is missing (cached), predict.
+:func:`stage_costs` sums, per stage cut (a pipeline stage, or an interleaved plan's model chunk), the calibrated
+forward/backward seconds of the layer units the cut holds (units by the cut holding their parameters, the loss on
+the last one), the bytes it sends to the next cut (its last unit's output) and its trainable elements;
+:func:`whale.planner.steptime.simulate.predict` groups an interleaved plan's chunks by stage.
+:func:`model_costs` profiles and keys the units from an existing calibration.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ def covers(calib: Calibration, keys: dict[str, str], loss_fn=None) -> bool:
 
 
 def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[UnitProfile]]:
-    """Per stage, the profiled units it runs (the ``rest``, i.e. the loss, on the last stage)."""
+    """Per stage cut, i.e. per model chunk (= per stage unless the plan is interleaved: chunk c runs on stage
+    ``plan.position_of(c)``), the profiled units it runs (the ``rest``, i.e. the loss, on the last chunk)."""
     params = hwplan.stage_param_names(plan.stage_cuts, model) if plan.is_pipeline else \
         hwplan.stage_param_names((), model)
-    out: list[list[UnitProfile]] = [[] for _ in range(plan.num_stages)]
+    out: list[list[UnitProfile]] = [[] for _ in params]
     where = hwplan._unit_stages(prof, params, plan.stage_cuts) if plan.is_pipeline else [0] * len(prof.units)
     for u, s in zip(prof.units, where, strict=True):
         out[s].append(u)
@@ -63,7 +65,8 @@ def stage_units(prof: ModelProfile, plan: Plan, model: nn.Module) -> list[list[U
 
 def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str, str],
                 calib: Calibration) -> list[StageCost]:
-    """One :class:`StageCost` per stage of ``plan`` from the profile and the calibration (``keys``: the
+    """One :class:`StageCost` per stage cut of ``plan`` (per model chunk: per stage unless interleaved, which
+    :func:`whale.planner.steptime.simulate.predict` groups by stage) from the profile and the calibration (``keys``: the
     calibration key of each unit, :func:`whale.frontend.unit_keys.unit_keys`). Each unit costs its timing as
     the plan runs it (:func:`whale.frontend.unit_keys.variant_keys`: under the plan's precision, under the
     checkpoint wrapper when checkpointed) when calibrated, else its fp32 timing; a checkpointed unit timed
@@ -75,16 +78,17 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
     targets = plan.activation_checkpoint or tuple(memplan.repeated_layers(model))
     out = []
     vkeys = variant_keys(keys, plan.precision, plan.activation_checkpoint)
-    for s, units in enumerate(stage_units(prof, plan, model)):
-        split = tuple(name for name, _ in plan.split_targets(s))
+    chunks = stage_units(prof, plan, model)
+    for c, units in enumerate(chunks):
+        split = tuple(name for name, _ in plan.split_targets(plan.position_of(c) if plan.is_pipeline else 0))
         t = [_timing(u, vkeys.get(u.name), calib, keys.get(u.name)) for u in units]
         real = [u for u in units if u.name != "<rest>"]
         out.append(StageCost(
             fwd_per_row=sum(x.fwd_per_row for x in t), bwd_per_row=sum(x.bwd_per_row for x in t),
             fwd_overhead=sum(x.fwd_overhead for x in t), bwd_overhead=sum(x.bwd_overhead for x in t),
             fwd_flops=sum(u.forward_flops for u in units), bwd_flops=sum(u.backward_flops for u in units),
-            boundary_bytes=real[-1].output_bytes if real and s < plan.num_stages - 1 else 0.0,
-            trainable_elements=mems[s].trainable_elements,
+            boundary_bytes=real[-1].output_bytes if real and c < len(chunks) - 1 else 0.0,
+            trainable_elements=mems[c].trainable_elements,
             recompute_per_row=sum(x.fwd_per_row for u, x in zip(units, t, strict=True)
                                   if memplan._inside(u.name, targets) and vkeys.get(u.name) not in calib.units),
             zero3_units=_zero3_units(plan, model), **_split_bytes(real, split)))
@@ -122,7 +126,8 @@ def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:
 def model_costs(model: nn.Module, plan: Plan, sample_batch, loss_fn=None, calib: Calibration | None = None,
                 tracked: bool = False, prof: ModelProfile | None = None,
                 keys: dict[str, str] | None = None) -> tuple[list[StageCost], list, Calibration]:
-    """``(stage costs, stage memories, calibration)`` of ``plan`` for ``model`` from an existing calibration:
+    """``(stage costs, stage memories, calibration)`` (costs and memories one per stage cut: per model chunk of an
+    interleaved plan) of ``plan`` for ``model`` from an existing calibration:
     ``calib`` (e.g. one just measured by :func:`whale.calibration.measure.calibration`), else this machine's
     cached one (:func:`whale.planner.calibration_cache.load`). Profiles once on fake tensors (unless ``prof`` is
     given), keys the units (:func:`whale.frontend.unit_keys.unit_keys`, unless ``keys`` is given) and sums their

@@ -33,7 +33,8 @@ def add_desc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, help="force the pipeline stage count")
     g.add_argument("--split", type=int, help="force the split (tensor-parallel) degree")
     g.add_argument("--virtual-stages", type=int, help="force interleaved 1F1B with this many chunks per device "
-                   "(predicted; split stages interleaved as Megatron-LM does)")
+                   "(predicted; split stages interleaved as Megatron-LM does; with --model and --schedule "
+                   "Interleaved1F1B: the model's stage scopes per device)")
     g.add_argument("--sequence-parallel", choices=["on", "off"], help="force sequence parallelism (default: searched)")
     g.add_argument("--recompute", action="store_true", help="force full activation recomputation")
     g.add_argument("--cross-nodes", action="store_true", help="allow split groups across nodes")

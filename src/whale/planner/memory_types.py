@@ -73,3 +73,24 @@ class MemoryOptions:
             ([f"ZeRO-{self.zero}"] if self.zero else []) + \
             ([f"offload {self.offload}"] if self.offload != "none" else [])
         return " + ".join(parts) or "no memory techniques"
+
+
+def merge_chunks(chunks: list[StageMemory]) -> StageMemory:
+    """One pipeline stage's memory from those of the model chunks it runs (an interleaved plan's stage cuts):
+    static bytes and elements add up, as do the bytes per sample a micro-batch keeps through the whole stage
+    (the in-flight count is in whole-stage micro-batches, :func:`whale.plan.schedule.in_flight_micro_batches`);
+    the backward's excess over what is kept is the worst chunk's (one chunk runs backward at a time), ZeRO-3's
+    gathered elements the largest chunk's (each chunk is gathered around its own segments)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    act, ckpt = sum(c.activation_bytes for c in chunks), sum(c.checkpointed_bytes for c in chunks)
+    return StageMemory(
+        trainable_elements=sum(c.trainable_elements for c in chunks),
+        tied_elements=sum(c.tied_elements for c in chunks), tie_stages=max(c.tie_stages for c in chunks),
+        frozen_bytes=sum(c.frozen_bytes for c in chunks), activation_bytes=act, checkpointed_bytes=ckpt,
+        backward_bytes=act + max(max(0.0, c.backward_bytes - c.activation_bytes) for c in chunks),
+        checkpointed_backward_bytes=ckpt + max(max(0.0, c.checkpointed_backward_bytes - c.checkpointed_bytes)
+                                               for c in chunks),
+        gather_elements=max(c.gather_elements for c in chunks), reduce_elements=max(c.reduce_elements for c in chunks),
+        recompute_flops=sum(c.recompute_flops for c in chunks), train_flops=sum(c.train_flops for c in chunks),
+        pipelined=any(c.pipelined for c in chunks), p2p_bytes=sum(c.p2p_bytes for c in chunks))
