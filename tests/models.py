@@ -182,3 +182,14 @@ def mse_side_by_side(engine, ref: nn.Module, ref_opt: torch.optim.Optimizer, ste
             after_step(x, y)
         ref_losses.append(reference_step(ref_opt, F.mse_loss(ref(x), y)))
     return losses, ref_losses
+
+
+def lm_side_by_side(engine, ref: nn.Module, ref_opt: torch.optim.Optimizer, steps: int,
+                    batch: int) -> tuple[list[float], list[float]]:
+    """``steps`` steps of ``engine`` and of the one-process ``ref`` (:func:`lm_loss`) on the same
+    :func:`lm_batches` ``(x, y)`` of ``batch`` rows. Returns ``(losses, ref_losses)``."""
+    losses, ref_losses = [], []
+    for x, y in lm_batches(steps, batch):
+        losses.append(engine.step((x, y))["loss"])
+        ref_losses.append(reference_step(ref_opt, lm_loss(ref(x), y)))
+    return losses, ref_losses

@@ -19,7 +19,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import TinyLM, lm_batches, lm_loss
+from tests.models import TinyLM, lm_batches, lm_loss, lm_side_by_side
 from whale.cluster import ClusterSpec
 
 _NODES = {2: [{"devices": ["H100-80GB", "T4"]}],
@@ -57,14 +57,7 @@ def _train(rank, world, given=False):
     engine = wh.parallelize(model, lm_loss, opt, ctx=ctx, sample_batch=(x0, y0),
                             plan=_given_plan() if given else None)
     ref_opt = opt(ref.parameters())
-    losses, ref_losses = [], []
-    for x, y in lm_batches(3, 8):
-        losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+    losses, ref_losses = lm_side_by_side(engine, ref, ref_opt, 3, 8)
     full = engine.full_state_dict()
     trace = wh.write_step_trace(engine, os.path.join(tempfile.mkdtemp(), "trace.json")) if given else None
     predicted = sum(e.get("pid", 0) >= 1000 and e.get("ph") == "X" for e in json.load(open(trace))["traceEvents"]) \

@@ -12,7 +12,7 @@ import torch
 
 import whale as wh
 from tests.distributed import run_ranks
-from tests.models import TinyLM, lm_batches, lm_loss
+from tests.models import TinyLM, lm_batches, lm_loss, lm_side_by_side
 from whale.cluster import ClusterSpec
 
 _NODES = {2: [{"devices": ["P100-16GB", "V100-32GB"]}],
@@ -41,14 +41,7 @@ def _train(rank, world):
     engine = wh.parallelize(model, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), ctx=ctx,
                             sample_batch=(x0, y0))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    losses, ref_losses = [], []
-    for x, y in lm_batches(3, 8):
-        losses.append(engine.step((x, y))["loss"])
-        ref_opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
+    losses, ref_losses = lm_side_by_side(engine, ref, ref_opt, 3, 8)
     full = engine.full_state_dict()
     diff = max((full[n] - v).abs().max().item() for n, v in ref.state_dict().items()) if rank == 0 else 0.0
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
