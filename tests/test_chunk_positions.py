@@ -12,6 +12,7 @@ import pytest
 import whale as wh
 from tests.models import TinyLM
 from whale.plan.plan import SharedParam
+from whale.plan.schedule import in_flight_micro_batches, max_in_flight
 from whale.plan.schedule_chunks import chunked_1f1b, schedule_for
 from whale.planner.planner import TaskGraphSummary, make_plan
 
@@ -53,3 +54,18 @@ def test_make_plan_puts_ties_on_the_stages_of_the_map():
     tie = (SharedParam(("emb.weight", "head.weight"), (0, 3)),)
     assert make_plan(tgs, 2, config, shared_params=tie).shared_params[0].stages == (0, 1)
     assert make_plan(tgs, 2, config, shared_params=tie, chunk_positions=(0, 1, 0, 0)).shared_params == ()
+
+
+def test_activations_in_flight_follow_each_stages_chunks():
+    """The memory model's micro-batches in flight (Plan.in_flight): the interleaved closed form with the plan's
+    v (stage 1 of p = 2, v = 2, m = 2 holds 3 chunk micro-batches of 1/2 the stage: 1.5, not 1F1B's 1), and
+    under a chunk map the built schedule's peak over each stage's chunks."""
+    rr = _plan()
+    assert [rr.in_flight(s) for s in range(2)] == [in_flight_micro_batches(s, 2, 2, "Interleaved1F1B", 2)
+                                                   for s in range(2)]
+    assert rr.in_flight(1) == 1.5
+    plan = dataclasses.replace(rr, chunk_positions=(0, 1, 0, 0))
+    sched = chunked_1f1b((0, 1, 0, 0), 2)
+    assert [plan.in_flight(s) for s in range(2)] == [max_in_flight(sched[0]) / 3, max_in_flight(sched[1]) / 1]
+    with pytest.raises(ValueError, match="outside"):
+        plan.in_flight(2)

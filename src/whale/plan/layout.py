@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from whale.plan.checks import PlanError
+from whale.plan.schedule import in_flight_micro_batches, max_in_flight
+from whale.plan.schedule_chunks import schedule_for
 from whale.plan.shares import whole_shares
 
 
@@ -61,6 +63,24 @@ class PlanLayout:
     def chunks_of(self, stage: int) -> list[int]:
         """The model chunks stage ``stage`` runs, in model order (its local chunks 0, 1, ...)."""
         return [c for c in range(self.num_chunks) if self.position_of(c) == stage]
+
+    def in_flight(self, stage: int) -> float:
+        """Micro-batches whose activations stage ``stage`` holds at once, in units of one micro-batch through the
+        whole stage: :func:`whale.plan.schedule.in_flight_micro_batches` of the plan's schedule and chunks per
+        stage; under ``chunk_positions`` (stages of different chunk counts, where that closed form does not hold)
+        :func:`whale.plan.schedule.max_in_flight` of the stage's built schedule, each of its k chunks 1/k of it.
+
+        Raises:
+            ValueError: ``stage`` outside the pipeline.
+        """
+        if self.chunk_positions:
+            if not 0 <= stage < self.num_stages:
+                raise ValueError(f"stage {stage} is outside the plan's {self.num_stages} stages")
+            acts = schedule_for(self.schedule, self.num_stages, self.num_micro_batch, self.virtual_stages,
+                                self.chunk_positions)[stage]
+            return max_in_flight(acts) / len(self.chunks_of(stage))
+        return in_flight_micro_batches(stage, self.num_stages, self.num_micro_batch, self.schedule,
+                                       self.virtual_stages)
 
     @property
     def stage_widths(self) -> tuple[int, ...]:

@@ -38,7 +38,6 @@ import math
 from dataclasses import dataclass
 
 from whale.plan.plan import Plan
-from whale.plan.schedule import in_flight_micro_batches
 from whale.plan.shares import min_max_shares
 from whale.planner.balance import InfeasiblePlanError, max_units
 from whale.planner.hardware import predicted_utilization
@@ -242,7 +241,7 @@ def fit_shares(plan: Plan, stages: list[StageMemory], global_batch: int, options
     for group in groups:
         cells = []
         for s in group:
-            flight = in_flight_micro_batches(s, plan.num_stages, plan.num_micro_batch, plan.schedule)
+            flight = plan.in_flight(s)
             ranks = [plan.rank_of(s, lane) for lane in range(plan.lanes_of(s))]
             cells.append([cell(stages[s], r, flight, len(ranks), options, plan.num_micro_batch, speeds[r],
                                (capacity[r], host_capacity[r] if host_capacity else math.inf), lane_bandwidth)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from whale.cluster import ClusterSpec, memory_capacity
 from whale.plan.plan import Plan, PlanError
-from whale.plan.schedule import in_flight_micro_batches
 from whale.planner.balance import InfeasiblePlanError, balance_batch
 from whale.planner.partition import order_devices_by_memory
 from whale.planner.steptime.cost import utilization
@@ -78,8 +77,8 @@ def _rank_limit(plan: Plan, cluster: ClusterSpec, memory: MemoryModel, s: int, r
     Raises:
         InfeasiblePlanError: the device cannot hold even one sample; names the rank, its stage and the bytes.
     """
-    m, s_count = plan.num_micro_batch, plan.num_stages
-    per = memory.per_sample_bytes[s] * in_flight_micro_batches(s, s_count, m, plan.schedule) / m
+    m = plan.num_micro_batch
+    per = memory.per_sample_bytes[s] * plan.in_flight(s) / m
     cap = memory_capacity(cluster, rank)
     need_one = memory.fixed_bytes[s] + per
     if need_one > cap:

@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 
 from whale.config import FORBIDDEN
 from whale.plan.plan import OFFLOADS, Plan
-from whale.plan.schedule import in_flight_micro_batches
 from whale.plan.shares import whole_shares
 from whale.planner.advice import Shortfall, infeasible_message, worst_rank
 from whale.planner.balance import InfeasiblePlanError
@@ -139,7 +138,7 @@ def plan_memory(plan: Plan, stages: list[StageMemory], global_batch: int, option
         raise ValueError(f"plan_memory got {len(stages)} stage memories for {plan.num_stages} stages")
     out: list[RankMemory] = [RankMemory()] * plan.world_size
     for s, st in enumerate(stages):
-        flight = in_flight_micro_batches(s, plan.num_stages, plan.num_micro_batch, plan.schedule)
+        flight = plan.in_flight(s)
         shares = lane_shares(plan, s, st.trainable_elements, zero_weights[s] if zero_weights else None)
         for lane, ranges in enumerate(plan.micro_batch_rows(global_batch, s)):
             rows = max(b - a for a, b in ranges)
