@@ -47,6 +47,7 @@ def seed_calibration(argv: list[str], path: str) -> None:
     from whale.frontend.unit_keys import unit_keys
     from whale.plan_cli import factory_kwargs, load_factory
     from whale.planner.calibration_cache import (
+        MODEL_ENGINE_VERSION,
         Calibration,
         EngineTiming,
         UnitTiming,
@@ -64,7 +65,8 @@ def seed_calibration(argv: list[str], path: str) -> None:
     keys = unit_keys(model, batch, hwplan.profile(model, batch, loss_fn=loss), loss, tracked=True)
     units = {k: UnitTiming(1e-4, 2e-4, 1e-3, 2e-3) for k in keys.values()}
     save(Calibration(key=machine_key(), p2p_bandwidth=2e9, optimizer_seconds_per_element=1e-8, units=units,
-                     engine=EngineTiming(), model_engines={model_signature(keys): EngineTiming()}), Path(path))
+                     engine=EngineTiming(),
+                     model_engines={model_signature(keys): EngineTiming(version=MODEL_ENGINE_VERSION)}), Path(path))
 
 
 def _command(block: dict) -> None:
