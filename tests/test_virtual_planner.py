@@ -27,6 +27,17 @@ def _random(rng: random.Random, memory: bool) -> VirtualProblem:
     return VirtualProblem(fwd, bwd, static, act, counts, cap, p, v, p * rng.choice([1, 2]))
 
 
+def _against_brute_force(pb: VirtualProblem):
+    """``(the planner's cut, the brute-force optimum)``; ``(None, inf)`` when brute force finds no feasible cut,
+    after checking that the planner then raises :class:`InfeasiblePlanError`."""
+    best = brute_force(pb)
+    if best == float("inf"):
+        with pytest.raises(InfeasiblePlanError):
+            plan_virtual_stages(pb)
+        return None, best
+    return plan_virtual_stages(pb), best
+
+
 def test_exact_against_brute_force_on_random_small_instances():
     """Worst ratio of the planner's predicted step over the brute-force optimum, 60 instances (a third with
     tight memory): 1.0, and infeasible exactly when brute force finds nothing."""
@@ -34,12 +45,9 @@ def test_exact_against_brute_force_on_random_small_instances():
     worst, solved = 0.0, 0
     for k in range(60):
         pb = _random(rng, memory=k % 3 == 0)
-        best = brute_force(pb)
-        if best == float("inf"):
-            with pytest.raises(InfeasiblePlanError):
-                plan_virtual_stages(pb)
+        cut, best = _against_brute_force(pb)
+        if cut is None:
             continue
-        cut = plan_virtual_stages(pb)
         assert sum(cut.counts) == len(pb.unit_fwd) and min(cut.counts) >= 1
         caps = [min(pb.type_capacity[t] for t, c in enumerate(g) if c) for g in cut.groups]
         assert all(b <= c for b, c in zip(cut.peak_bytes, caps, strict=True))
@@ -57,12 +65,9 @@ def test_chunk_counts_exact_against_brute_force_on_random_small_instances():
     worst, solved, uneven = 0.0, 0, 0
     for k in range(48):
         pb = dataclasses.replace(_random(rng, memory=k % 3 == 0), vary_counts=True)
-        best = brute_force(pb)
-        if best == float("inf"):
-            with pytest.raises(InfeasiblePlanError):
-                plan_virtual_stages(pb)
+        cut, best = _against_brute_force(pb)
+        if cut is None:
             continue
-        cut = plan_virtual_stages(pb)
         assert sorted(cut.positions) == sorted(s for s, k in enumerate(cut.chunks_per_position) for _ in range(k))
         assert min(cut.chunks_per_position) >= 1 and sum(cut.counts) == len(pb.unit_fwd)
         worst = max(worst, cut.step / best)

@@ -76,20 +76,8 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     Raises:
         ScheduleError: the schedule deadlocks; ValueError: a cost list of the wrong shape.
     """
-    lanes = [len(f) for f in fwd]
-    p, ids = len(schedule), chunk_ids(schedule, positions)
+    lanes, ids, shares, peers, feeds = _setup(schedule, fwd, bwd, peers, chunk_shares, positions)
     last, owner = sum(map(len, ids)) - 1, {g: s for s, gs in enumerate(ids) for g in gs}
-    if len(fwd) != p or len(bwd) != p or [len(b) for b in bwd] != lanes:
-        raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {p} stages, got "
-                         f"{lanes} and {[len(b) for b in bwd]} lanes")
-    if last >= p and (peers is not None or len(set(lanes)) > 1):
-        raise ValueError(f"an interleaved schedule needs the same lanes on every stage, got {lanes}")
-    if chunk_shares is not None and [len(c) for c in chunk_shares] != [len(gs) for gs in ids]:
-        raise ValueError(f"chunk_shares must be [stage][chunk] for {p} stages of {[len(gs) for gs in ids]} chunks")
-    shares = chunk_shares or [[(1.0 / len(gs), 1.0 / len(gs))] * len(gs) for gs in ids]
-    peers = peers or [[[j] for j in range(n)] for n in lanes]
-    feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
-             for s in range(p)]
     split = [any(a.kind == "W" for a in acts) for acts in schedule]
 
     def link(g: int, j: int) -> float:
@@ -119,3 +107,29 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
     busy = [[sum(fwd[s][lane]) + sum(bwd[s][lane]) + (sum(weight[s][lane]) if weight is not None and split[s] else 0.0)
              for lane in range(n)] for s, n in enumerate(lanes)]
     return {"end": clock, "busy": busy, "events": events}
+
+
+def _setup(schedule: Schedule, fwd: list, bwd: list, peers: list | None, chunk_shares: list | None,
+           positions: tuple[int, ...] | None) -> tuple:
+    """The shapes :func:`simulate_lanes` checks and the defaults it fills: ``(lanes per stage, model chunk ids
+    [stage][local chunk], chunk shares, peers, feeds)``; ``feeds[s][lane]``: the lanes of stage s - 1 whose rows
+    reach that lane.
+
+    Raises:
+        ValueError: a cost list of the wrong shape, unequal lanes under an interleaved schedule, or chunk shares
+            that do not match the chunks.
+    """
+    lanes = [len(f) for f in fwd]
+    p, ids = len(schedule), chunk_ids(schedule, positions)
+    if len(fwd) != p or len(bwd) != p or [len(b) for b in bwd] != lanes:
+        raise ValueError(f"fwd/bwd must be [stage][lane][micro-batch] for {p} stages, got "
+                         f"{lanes} and {[len(b) for b in bwd]} lanes")
+    if sum(map(len, ids)) > p and (peers is not None or len(set(lanes)) > 1):
+        raise ValueError(f"an interleaved schedule needs the same lanes on every stage, got {lanes}")
+    if chunk_shares is not None and [len(c) for c in chunk_shares] != [len(gs) for gs in ids]:
+        raise ValueError(f"chunk_shares must be [stage][chunk] for {p} stages of {[len(gs) for gs in ids]} chunks")
+    shares = chunk_shares or [[(1.0 / len(gs), 1.0 / len(gs))] * len(gs) for gs in ids]
+    peers = peers or [[[j] for j in range(n)] for n in lanes]
+    feeds = [[[j for j in range(lanes[s - 1]) if lane in peers[s - 1][j]] if s else [lane] for lane in range(lanes[s])]
+             for s in range(p)]
+    return lanes, ids, shares, peers, feeds

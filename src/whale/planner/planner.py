@@ -124,15 +124,8 @@ def make_plan(
         raise PlanError(f"world size {world_size} must be >= 1")
     if not tgs:
         raise PlanError("the model has no TaskGraphs (no parameters?)")
-    colocated = is_colocated(tgs, config.num_micro_batch)
-    v = config.virtual_stages
-    if v > 1 and (colocated or len(tgs) % v or len(tgs) < 2 * v):
-        raise PlanError(f"virtual_stages={v} runs {v} chunks per pipeline stage, but the model has {len(tgs)} stage "
-                        f"scope(s); annotate p * {v} scopes for p >= 2 stages (e.g. {2 * v}), or use virtual_stages=1")
-    p = len(tgs) // v
-    counts, k = resolve_device_counts(tgs[:p], world_size, colocated)
-    where = tuple(chunk_positions) or tuple(c % p for c in range(len(tgs)))  # chunk c -> its stage
-    counts = [counts[where[c]] for c in range(len(tgs))]  # chunk c runs on the devices of its stage
+    colocated, v = is_colocated(tgs, config.num_micro_batch), config.virtual_stages
+    counts, k, where = _chunk_devices(tgs, world_size, colocated, v, chunk_positions)
     shared_params = _stage_ties(shared_params, where) if v > 1 else shared_params
     _check_nested(tgs, counts)
     lane_weights, stage_lane_weights = _lane_weights(config, counts, k, colocated)
@@ -157,6 +150,25 @@ def make_plan(
         chunk_positions=tuple(chunk_positions),
         sequence_parallel=config.sequence_parallel,
     )
+
+
+def _chunk_devices(tgs: list[TaskGraphSummary], world_size: int, colocated: bool, v: int,
+                   chunk_positions: tuple[int, ...]) -> tuple[list[int], int, tuple[int, ...]]:
+    """``(devices per replica of each TaskGraph, replicas, the stage of each TaskGraph)``: the first ``p = len / v``
+    TaskGraphs are the stages (:func:`resolve_device_counts`); TaskGraph (chunk) c runs on the devices of its stage
+    (``chunk_positions[c]``, or ``c % p``).
+
+    Raises:
+        PlanError: ``v`` chunks per stage that the TaskGraphs cannot make (a colocated model, a count that is not
+            a multiple of v, fewer than two stages); the device counts' own errors.
+    """
+    if v > 1 and (colocated or len(tgs) % v or len(tgs) < 2 * v):
+        raise PlanError(f"virtual_stages={v} runs {v} chunks per pipeline stage, but the model has {len(tgs)} stage "
+                        f"scope(s); annotate p * {v} scopes for p >= 2 stages (e.g. {2 * v}), or use virtual_stages=1")
+    p = len(tgs) // v
+    counts, k = resolve_device_counts(tgs[:p], world_size, colocated)
+    where = tuple(chunk_positions) or tuple(c % p for c in range(len(tgs)))
+    return [counts[where[c]] for c in range(len(tgs))], k, where
 
 
 def _stage_ties(shared: tuple[SharedParam, ...], where: tuple[int, ...]) -> tuple[SharedParam, ...]:

@@ -21,8 +21,9 @@ from torch import nn
 from whale.memory.checkpointing import apply_checkpointing
 from whale.memory.monitor import MemoryMonitor
 from whale.parallel.data import broadcast_params
-from whale.parallel.pipeline import MicroBatches, StageExecutor, StageLinks
+from whale.parallel.pipeline import MicroBatches, StageExecutor
 from whale.parallel.regions import SplitRuntime
+from whale.parallel.stage_links import StageLinks
 from whale.parallel.stages import build_stage
 from whale.parallel.zero_sync import build_grad_sync
 from whale.plan.plan import Plan, PlanError
