@@ -16,6 +16,7 @@ import whale.frontend.hwplan as hwplan
 import whale.frontend.memplan as memplan
 from whale.frontend.profile import ModelProfile, UnitProfile
 from whale.frontend.unit_keys import unit_keys, variant_keys
+from whale.memory.checkpointing import layer_units
 from whale.plan.plan import Plan
 from whale.planner import calibration_cache as cal
 from whale.planner.calibration_cache import Calibration, UnitTiming
@@ -96,16 +97,15 @@ def stage_costs(prof: ModelProfile, plan: Plan, model: nn.Module, keys: dict[str
 
 
 def _zero3_units(plan: Plan, model: nn.Module) -> int:
-    """Units ZeRO-3 gathers and frees around every call of a stage (:func:`whale.parallel.zero3_unit.find_units`):
-    a pipeline stage's one (its root, freed after each forward), else the model's repeated layers (or its
-    children with parameters); the root of an unpipelined model stays gathered. 0 without ZeRO-3."""
+    """Units ZeRO-3 gathers and frees around every call of a stage: a pipeline stage's one (its root, freed after
+    each forward), else :func:`whale.memory.checkpointing.layer_units` of the model, as the runtime's
+    :func:`whale.parallel.zero3_unit.find_units` (the root of an unpipelined model stays gathered). 0 without
+    ZeRO-3."""
     if plan.zero < 3:
         return 0
     if plan.is_pipeline:
         return 1
-    names = memplan.repeated_layers(model)
-    return len(names) if names else sum(1 for _, c in model.named_children() if next(c.parameters(), None) is not None
-                                        and not isinstance(c, nn.ModuleList | nn.ModuleDict))
+    return len(layer_units(model))
 
 
 def _split_bytes(real: list[UnitProfile], split: tuple[str, ...]) -> dict:

@@ -63,6 +63,13 @@ def repeated_layers(model: nn.Module) -> list[str]:
     return out
 
 
+def layer_units(model: nn.Module) -> list[str]:
+    """FQNs of the units a whole-model stage is handled in layer by layer (ZeRO-3's gather/free units): its
+    :func:`repeated_layers`, else its direct children that hold parameters (containers aside)."""
+    return repeated_layers(model) or [n for n, c in model.named_children() if next(c.parameters(), None)
+                                      is not None and not isinstance(c, nn.ModuleList | nn.ModuleDict)]
+
+
 def _matches(entry, named: dict[str, nn.Module], task_graphs, units: list[str]) -> list[str]:
     if isinstance(entry, int):
         if entry >= len(task_graphs):

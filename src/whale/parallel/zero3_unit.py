@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from whale.memory.checkpointing import repeated_layers
+from whale.memory.checkpointing import layer_units
 from whale.parallel.zero import _Piece
 from whale.parallel.zero3_check import Zero3Error
 from whale.plan.shares import whole_shares
@@ -66,9 +66,7 @@ def find_units(module: nn.Module, pipeline: bool) -> list[tuple[str, nn.Module]]
     """The units of a stage module other than its root: ``[(fqn, module)]`` (none in a pipeline stage)."""
     if pipeline:
         return []
-    names = repeated_layers(module) or [n for n, c in module.named_children() if next(c.parameters(), None)
-                                        is not None and not isinstance(c, nn.ModuleList | nn.ModuleDict)]
-    return [(n, module.get_submodule(n)) for n in names]
+    return [(n, module.get_submodule(n)) for n in layer_units(module)]
 
 
 @torch.no_grad()
