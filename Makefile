@@ -9,7 +9,7 @@ NPROC ?= 4
 CLUSTER ?= examples/clusters/v100_p100.yaml
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-hf train-elastic test test-durations test-cpu lint bench report clean
+.PHONY: setup train train-hf train-elastic test test-durations test-cpu lint bench bench-all report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,8 +57,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/dp_overhead.py --out benchmarks/results/dp_overhead.json
 
+bench-all: $(STAMP)
+	PY=$(PY) bash benchmarks/run_all.sh
+
 report: $(STAMP)
 	$(PY) benchmarks/report.py
+	-$(PY) benchmarks/report.py --stale
 
 clean:
 	rm -rf $(VENV) data/shakespeare checkpoints

@@ -2,6 +2,8 @@
 
     python benchmarks/report.py            # rewrite the block between the markers in docs/benchmarks.md
     python benchmarks/report.py --check    # exit 1 if the block differs from what the JSONs give now
+    python benchmarks/report.py --stale    # list results measured on code that differs from HEAD's
+
 
 The block between ``<!-- results:begin -->`` and ``<!-- results:end -->`` is replaced; the prose around it is
 left alone. Every number in it carries its source right after it, as an HTML comment that Markdown hides:
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -269,11 +272,54 @@ def check_citations(text: str) -> list[str]:
     return bad
 
 
+MEASURED_CODE = ["src", "benchmarks", "examples", "pyproject.toml", ":(exclude)benchmarks/results",
+                 ":(exclude)benchmarks/report.py"]
+"""The paths whose content decides what a benchmark measures (git pathspecs): the product, the benchmarks and
+their cluster files, the examples; not the results, this renderer, the docs or the tests."""
+
+
+def changed_since(commit: str) -> list[str] | None:
+    """Files of :data:`MEASURED_CODE` that differ between ``commit`` (a provenance commit, ``+dirty`` allowed)
+    and the working tree's ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
+    rev = commit.removesuffix("+dirty")
+    try:
+        out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *MEASURED_CODE], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.split() if out.returncode == 0 else None
+
+
+def stale_results() -> list[str]:
+    """One line per results file or part measured on code other than ``HEAD``'s (a ``+dirty`` commit counts as
+    other: what was uncommitted is unknown), naming its commit and how many measured-code files changed since."""
+    lines = []
+    for path in sorted(RESULTS.glob("*.json")):
+        prov = json.loads(path.read_text()).get("provenance") or {}
+        parts = prov.get("parts") or {"": prov}
+        for name, part in parts.items():
+            commit = str(part.get("commit", "unknown"))
+            changed = changed_since(commit)
+            label = path.name + (f" part {name}" if name else "")
+            if changed is None:
+                lines.append(f"{label}: commit {commit[:12]} unknown to git here")
+            elif changed or commit.endswith("+dirty"):
+                lines.append(f"{label}: measured at {commit[:12]}; {len(changed)} measured-code files changed since "
+                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
+    return lines
+
+
 def main() -> None:
     """Rewrite the block in docs/benchmarks.md, or with ``--check`` say whether it is current."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when the block is not what the JSONs give")
+    ap.add_argument("--stale", action="store_true", help="list results measured on code other than HEAD's (exit 1 "
+                    "when there are any)")
     args = ap.parse_args()
+    if args.stale:
+        lines = stale_results()
+        print("\n".join(lines) if lines else "every result was measured on HEAD's code (src, benchmarks, examples)")
+        sys.exit(1 if lines else 0)
     text = DOC.read_text()
     new = splice(text, render())
     if args.check:

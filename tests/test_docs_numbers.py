@@ -33,3 +33,10 @@ def test_citation_check_catches_a_typed_number():
     wrong = f"{float(good.split('<')[0]) + 0.01:.3f}<!-- results:{row[1]}:{row[2]} -->"
     assert report.check_citations(wrong), "a number that differs from its JSON must be reported"
     assert report.check_citations("1.0<!-- results:zero3.json:no_such_key -->")
+
+
+def test_staleness_compares_measured_code_with_head():
+    """HEAD's own commit measured HEAD's code; an unknown commit is reported as unknown, not as current."""
+    assert report.changed_since("HEAD") == []
+    assert report.changed_since("HEAD+dirty") == []
+    assert report.changed_since("0" * 40) is None
