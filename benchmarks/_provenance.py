@@ -5,8 +5,9 @@ A :class:`Run` is started when a benchmark starts. A daemon thread samples the h
 the shared host was *during* the run, not only before it. :meth:`Run.write` writes a fresh file (never merges
 an old one) with a ``provenance`` block:
 
-- ``commit``: ``git rev-parse HEAD`` at the run's start, with ``+dirty`` when tracked files had uncommitted
-  changes;
+- ``commit``: ``git rev-parse HEAD`` at the run's start, with ``+dirty`` when tracked files of the measured
+  code (``src``, ``examples``, ``benchmarks`` less its results, ``pyproject.toml``) had uncommitted changes,
+  then named in ``dirty_files``;
 - ``command``: the exact command (interpreter name and ``sys.argv``);
 - ``date`` / ``date_end``: UTC start and end (ISO 8601);
 - ``load_1min``: ``min`` / ``median`` / ``max`` / ``samples`` of the sampled load, and ``cores``;
@@ -41,12 +42,21 @@ def _git(*args: str) -> str:
         return ""
 
 
+MEASURED = ["src", "examples", "benchmarks", "pyproject.toml", ":(exclude)benchmarks/results"]
+"""What a run's ``+dirty`` looks at (git pathspecs): the code that decides what a benchmark measures. Uncommitted
+docs or tests do not make a measurement dirty."""
+
+
 def commit() -> str:
-    """``HEAD``'s hash, with ``+dirty`` when tracked files other than ``benchmarks/results/`` differ from it
-    ('unknown' outside a git checkout)."""
+    """``HEAD``'s hash, with ``+dirty`` when tracked files of :data:`MEASURED` differ from it ('unknown' outside
+    a git checkout); :func:`dirty_files` names them."""
     head = _git("rev-parse", "HEAD") or "unknown"
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
-    return head + ("+dirty" if changed else "")  # results being rewritten do not make the code dirty
+    return head + ("+dirty" if dirty_files() else "")
+
+
+def dirty_files() -> list[str]:
+    """Tracked files of :data:`MEASURED` with uncommitted changes (results being rewritten are not among them)."""
+    return _git("diff", "--name-only", "HEAD", "--", *MEASURED).split()
 
 
 def command() -> str:
@@ -68,6 +78,7 @@ class Run:
     def __init__(self, interval_s: float = 5.0) -> None:
         self.start = time.time()
         self.commit = commit()  # at the start: the code that ran, even if the tree changes during the run
+        self.dirty = dirty_files()
         self.samples: list[tuple[float, float]] = [(self.start, os.getloadavg()[0])]
         self._stop = threading.Event()
         self._interval = interval_s
@@ -90,7 +101,8 @@ class Run:
         self.samples.append((now, os.getloadavg()[0]))
         t0 = self.start if since is None else since
         loads = [v for t, v in self.samples if t >= t0] or [self.samples[-1][1]]
-        return {"commit": self.commit, "command": command(), "date": _utc(t0), "date_end": _utc(now),
+        return {"commit": self.commit, **({"dirty_files": self.dirty} if self.dirty else {}),
+                "command": command(), "date": _utc(t0), "date_end": _utc(now),
                 "load_1min": {"min": round(min(loads), 2), "median": round(statistics.median(loads), 2),
                               "max": round(max(loads), 2), "samples": len(loads)},
                 "cores": os.cpu_count(), "wall_s": round(now - t0, 1)}

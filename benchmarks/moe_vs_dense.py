@@ -36,7 +36,7 @@ def _run(name: str, common: list[str], extra: list[str], workdir: Path, nproc: i
     """One training run of the main job; returns its JSON summary."""
     summary = workdir / f"{name}.json"
     job = [str(ROOT / "examples/gpt/train.py"), *common, *extra, "--summary", str(summary),
-           "--ckpt-dir", str(workdir / f"ckpt_{name}")]
+           "--ckpt-dir", str(workdir / f"ckpt_{name}"), "--overwrite"]  # a rerun starts afresh in its own workdir
     cmd = ([str(Path(sys.executable).with_name("whale")), "launch", "-n", str(nproc), *job] if nproc > 1
            else [sys.executable, *job])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -272,18 +272,22 @@ def check_citations(text: str) -> list[str]:
     return bad
 
 
-MEASURED_CODE = ["src", "benchmarks", "examples", "pyproject.toml", ":(exclude)benchmarks/results",
-                 ":(exclude)benchmarks/report.py"]
-"""The paths whose content decides what a benchmark measures (git pathspecs): the product, the benchmarks and
-their cluster files, the examples; not the results, this renderer, the docs or the tests."""
+MEASURED_CODE = ["src", "examples", "pyproject.toml", "benchmarks/_*.py", "benchmarks/clusters",
+                 "benchmarks/pipeline_bubble.py", "benchmarks/vs_torch_pipelining.py"]
+"""The paths (git pathspecs) whose content decides what every benchmark measures: the product, the examples, the
+benchmarks' shared helpers and cluster files, and the two benchmark scripts others import; a result's own
+script (named in its provenance command) is added per result. Not the results, this renderer, ``run_all.sh``,
+the other benchmarks' scripts, the docs or the tests."""
+SCRIPT = re.compile(r"benchmarks/([a-z]\w*)\.py")
 
 
-def changed_since(commit: str) -> list[str] | None:
-    """Files of :data:`MEASURED_CODE` that differ between ``commit`` (a provenance commit, ``+dirty`` allowed)
-    and the working tree's ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
+def changed_since(commit: str, script: str | None = None) -> list[str] | None:
+    """Files of :data:`MEASURED_CODE` (plus ``script``, a path) that differ between ``commit`` (a provenance
+    commit, ``+dirty`` allowed) and ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
     rev = commit.removesuffix("+dirty")
+    paths = MEASURED_CODE + ([script] if script else [])
     try:
-        out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *MEASURED_CODE], cwd=ROOT,
+        out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *paths], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -299,7 +303,8 @@ def stale_results() -> list[str]:
         parts = prov.get("parts") or {"": prov}
         for name, part in parts.items():
             commit = str(part.get("commit", "unknown"))
-            changed = changed_since(commit)
+            script = SCRIPT.search(str(part.get("command", "")))
+            changed = changed_since(commit, script.group(0) if script else "benchmarks")
             label = path.name + (f" part {name}" if name else "")
             if changed is None:
                 lines.append(f"{label}: commit {commit[:12]} unknown to git here")
