@@ -29,10 +29,13 @@ def report(res: dict) -> str:
     if "error" in m:
         lines.append(f"  hardware-aware plan FAILED: {m['error']}")
     else:
+        peak = [round(c / gb, 4) if c is not None else None for c in ma["plan_need_bytes"]]
         lines.append(
-            f"  hardware-aware plan rows {ma['plan_rows']} need {[round(c / gb, 4) for c in ma['plan_need_bytes']]}"
-            f" GB -> {'fits' if ma['plan_fits'] else 'OVERFLOWS'}; ran at {m['aware']['throughput']:.1f} samples/s "
-            f"(FLOPS shares, memory not enforced by emulation: {m['flops_shares']['throughput']:.1f})")
+            f"  hardware-aware plan rows {ma['plan_rows']}, measured peak {peak} GB (planner predicted "
+            f"{[round(c / gb, 4) for c in ma.get('plan_predicted_bytes') or []]}) -> "
+            f"{'fits' if ma['plan_fits'] else 'OVERFLOWS: ' + str(ma.get('plan_measured_error'))}; ran at "
+            f"{m['aware']['throughput']:.1f} samples/s (FLOPS shares, memory not enforced by emulation: "
+            f"{m['flops_shares']['throughput']:.1f})")
     lines += ["", "Summary (EMULATED):"]
     for key in ("dp_ratio_to_ideal", "dp_ratio_to_ideal_equal_rows", "dp_ratio_to_ideal_idle_host",
                 "dp_ratio_to_ideal_idle_host_job_rows",

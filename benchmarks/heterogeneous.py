@@ -150,8 +150,9 @@ def mem_compare(rank: int, world: int, cfg: dict) -> dict | None:
     forced with ``load_shares`` (which would overflow the P100 on real devices). Emulation enforces each
     device's memory through the memory tracker (:class:`whale.memory.monitor.EmulatedOutOfMemoryError`), so both
     engines run with ``track_memory=False``: the FLOPS-share one would be stopped by its own overflow, and the
-    tracker's cost is kept out of both alike; this case compares speed only (the fit is
-    :func:`mem_analysis`'s)."""
+    tracker's cost is kept out of both alike. The fit is measured afterwards: the hardware-aware plan again with
+    the tracker on, 2 steps, each rank's measured peak against its emulated capacity (over it, every rank raises
+    ``EmulatedOutOfMemoryError``), beside the planner's predicted peak (:func:`mem_analysis` compares them)."""
     import whale as wh
     from whale.plan.plan import PlanError
 
@@ -169,6 +170,7 @@ def mem_compare(rank: int, world: int, cfg: dict) -> dict | None:
         except PlanError as e:
             return {"error": f"{name}: {type(e).__name__}: {e}"} if rank == 0 else None
     times = interleave(engines, (x, y), 1, cfg["rounds"], cfg["k"])
+    measured = gather(_measured_peak(spec, cfg, (x, y)))
     if rank != 0:
         return None
     out = {"spec": cfg["spec"], "memory_scale": cfg["memory_scale"], "batch": cfg["batch"],
@@ -176,8 +178,44 @@ def mem_compare(rank: int, world: int, cfg: dict) -> dict | None:
     for name, eng in engines.items():
         med = statistics.median(times[name])
         out[name] = {"step_s": med, "throughput": cfg["batch"] / med, "rows": rows_per_rank(eng.plan, cfg["batch"]),
-                     "plan": str(eng.plan)}
+                     "plan": str(eng.plan), "predicted_peak_bytes": list(eng.plan.predicted_memory)}
+    out["aware"]["measured_peak_bytes"] = [m["peak"] for m in measured]
+    out["aware"]["measured_error"] = next((m["error"] for m in measured if m["error"]), None)
     return out
+
+
+def measured_fit(mem: dict, analysis: dict) -> dict:
+    """``analysis`` (:func:`mem_analysis`) with the hardware-aware plan's fit judged by its measured peak per rank
+    against the emulated capacity (``plan_fits``, ``plan_need_bytes`` = the measured peaks), the planner's
+    predicted peaks beside it. ``mem_analysis``'s own need for the plan's rows counts every row's activations,
+    which a plan that keeps FLOPS rows and adds activation checkpointing does not hold: it is kept as
+    ``plan_rows_need_without_techniques_bytes``."""
+    out = dict(analysis)
+    aware = mem.get("aware")
+    if aware is None:
+        return out
+    measured = aware.get("measured_peak_bytes") or []
+    out["plan_rows_need_without_techniques_bytes"] = out.pop("plan_need_bytes")
+    out.update(plan_need_bytes=measured, plan_predicted_bytes=aware.get("predicted_peak_bytes"),
+               plan_measured_error=aware.get("measured_error"),
+               plan_fits=bool(measured) and None not in measured
+               and all(m <= c for m, c in zip(measured, out["capacity_bytes"], strict=True)))
+    return out
+
+
+def _measured_peak(spec, cfg: dict, batch) -> dict:
+    """This rank's measured peak bytes over 2 steps of the hardware-aware plan with the memory tracker on
+    (``{"peak": bytes or None, "error": the emulated out-of-memory message or None}``)."""
+    import whale as wh
+    from whale.memory.monitor import EmulatedOutOfMemoryError
+
+    ctx = wh.init(wh.Config(cluster=spec, seed=0, track_memory=True, hardware_aware=True))
+    engine = wh.parallelize(TokenMLP(cfg["dim"], cfg["layers"]), loss_fn, _sgd, ctx=ctx, sample_batch=batch)
+    try:
+        peak = max(engine.step(batch)["peak_memory_bytes"] for _ in range(2))
+    except EmulatedOutOfMemoryError as e:  # raised on every rank alike
+        return {"peak": None, "error": str(e).splitlines()[0]}
+    return {"peak": peak, "error": None}
 
 
 def _uniform(layers: int, stages: int) -> list[int]:
@@ -226,7 +264,7 @@ def run(p: dict, log=print) -> dict:
                                   "memory_scale": scale, "rounds": p["mem_rounds"]})
     mem.update(spec="memory_v100_p100.yaml", memory_scale=scale, batch=p["dp_batch"],
                devices=[d.name for d in mspec.devices()])
-    mem["analysis"] = mem_analysis(mem, prof)
+    mem["analysis"] = measured_fit(mem, mem_analysis(mem, prof))
 
     return _result(p, dp, pp, mem, time.perf_counter() - t0)
 

@@ -16,6 +16,7 @@ cannot go stale: to quote a figure in prose, copy it with its comment.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import subprocess
@@ -272,20 +273,36 @@ def check_citations(text: str) -> list[str]:
     return bad
 
 
-MEASURED_CODE = ["src", "examples", "pyproject.toml", "benchmarks/_*.py", "benchmarks/clusters",
-                 "benchmarks/pipeline_bubble.py", "benchmarks/vs_torch_pipelining.py"]
-"""The paths (git pathspecs) whose content decides what every benchmark measures: the product, the examples, the
-benchmarks' shared helpers and cluster files, and the two benchmark scripts others import; a result's own
-script (named in its provenance command) is added per result. Not the results, this renderer, ``run_all.sh``,
-the other benchmarks' scripts, the docs or the tests."""
+MEASURED_CODE = ["src", "examples", "pyproject.toml", "benchmarks/clusters"]
+"""The paths (git pathspecs) whose content decides what every benchmark measures: the product, the examples and
+the cluster files. Per result, its own script (named in its provenance command) and the benchmark modules that
+script imports (:func:`benchmark_modules`) are added; not the results, this renderer, ``run_all.sh``, other
+benchmarks' scripts, the docs or the tests."""
 SCRIPT = re.compile(r"benchmarks/([a-z]\w*)\.py")
 
 
+def benchmark_modules(script: str) -> list[str]:
+    """``script`` (a path under ``benchmarks/``) and every ``benchmarks`` module it imports, transitively, as
+    they are in this checkout (sorted paths)."""
+    seen, todo = set(), [script]
+    while todo:
+        path = todo.pop()
+        if path in seen or not (ROOT / path).is_file():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
+                names = [node.module] if node.module != "benchmarks" else [f"benchmarks.{a.name}" for a in node.names]
+                todo += [n.replace(".", "/") + ".py" for n in names]
+    return sorted(seen)
+
+
 def changed_since(commit: str, script: str | None = None) -> list[str] | None:
-    """Files of :data:`MEASURED_CODE` (plus ``script``, a path) that differ between ``commit`` (a provenance
-    commit, ``+dirty`` allowed) and ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
+    """Files of :data:`MEASURED_CODE` (plus ``script`` and the benchmark modules it imports; no script: all of
+    ``benchmarks/`` but its results) that differ between ``commit`` (a provenance commit, ``+dirty`` allowed)
+    and ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
     rev = commit.removesuffix("+dirty")
-    paths = MEASURED_CODE + ([script] if script else [])
+    paths = MEASURED_CODE + (benchmark_modules(script) if script else ["benchmarks", ":(exclude)benchmarks/results"])
     try:
         out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *paths], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
@@ -304,7 +321,7 @@ def stale_results() -> list[str]:
         for name, part in parts.items():
             commit = str(part.get("commit", "unknown"))
             script = SCRIPT.search(str(part.get("command", "")))
-            changed = changed_since(commit, script.group(0) if script else "benchmarks")
+            changed = changed_since(commit, script.group(0) if script else None)
             label = path.name + (f" part {name}" if name else "")
             if changed is None:
                 lines.append(f"{label}: commit {commit[:12]} unknown to git here")

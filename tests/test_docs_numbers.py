@@ -40,3 +40,11 @@ def test_staleness_compares_measured_code_with_head():
     assert report.changed_since("HEAD") == []
     assert report.changed_since("HEAD+dirty") == []
     assert report.changed_since("0" * 40) is None
+
+
+def test_a_results_measured_code_follows_its_scripts_imports():
+    """A benchmark's own script and the benchmark modules it imports count; another benchmark's script does not."""
+    mods = report.benchmark_modules("benchmarks/pipeline_overheads.py")
+    assert {"benchmarks/pipeline_overheads.py", "benchmarks/vs_torch_pipelining.py", "benchmarks/pipeline_bubble.py",
+            "benchmarks/_launch.py"} <= set(mods)
+    assert "benchmarks/heterogeneous.py" not in mods and "benchmarks/_hetero_model.py" not in mods
