@@ -3,6 +3,7 @@
     python benchmarks/report.py            # rewrite the block between the markers in docs/benchmarks.md
     python benchmarks/report.py --check    # exit 1 if the block differs from what the JSONs give now
     python benchmarks/report.py --stale    # list results measured on code that differs from HEAD's
+    python benchmarks/report.py --refresh docs/elastic.md   # rewrite the numbers cited there from the JSONs
 
 
 The block between ``<!-- results:begin -->`` and ``<!-- results:end -->`` is replaced; the prose around it is
@@ -331,13 +332,43 @@ def stale_results() -> list[str]:
     return lines
 
 
+def refresh_citations(text: str) -> tuple[str, int]:
+    """``text`` with every cited number rewritten from its JSON at the precision shown (commas kept where the
+    number had them), and how many changed. Only the numbers: the prose around them is the writer's to re-read.
+
+    Raises:
+        KeyError: a citation names a key its JSON does not have (fix or drop it first).
+    """
+    cache: dict = {}
+    changed = 0
+
+    def one(m: re.Match) -> str:
+        nonlocal changed
+        num, suffix = m["num"], m["suffix"]
+        decimals = len(num.split(".")[1]) if "." in num else 0
+        value = _scaled(float(lookup(_load(m["file"], cache), m["key"])), suffix)
+        new = f"{value:,.{decimals}f}" if "," in num else f"{value:.{decimals}f}"
+        changed += new != num
+        return f"{new}{suffix}<!-- results:{m['file']}:{m['key']} -->"
+
+    return CITATION.sub(one, text), changed
+
+
 def main() -> None:
     """Rewrite the block in docs/benchmarks.md, or with ``--check`` say whether it is current."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when the block is not what the JSONs give")
     ap.add_argument("--stale", action="store_true", help="list results measured on code other than HEAD's (exit 1 "
                     "when there are any)")
+    ap.add_argument("--refresh", nargs="+", metavar="DOC", default=[],
+                    help="rewrite the cited numbers in these Markdown files from their JSONs (then re-read the prose)")
     args = ap.parse_args()
+    for doc in args.refresh:
+        text, n = refresh_citations(Path(doc).read_text())
+        Path(doc).write_text(text)
+        print(f"{doc}: {n} cited numbers changed")
+    if args.refresh:
+        return
     if args.stale:
         lines = stale_results()
         print("\n".join(lines) if lines else "every result was measured on HEAD's code (src, benchmarks, examples)")

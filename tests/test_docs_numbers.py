@@ -48,3 +48,12 @@ def test_a_results_measured_code_follows_its_scripts_imports():
     assert {"benchmarks/pipeline_overheads.py", "benchmarks/vs_torch_pipelining.py", "benchmarks/pipeline_bubble.py",
             "benchmarks/_launch.py"} <= set(mods)
     assert "benchmarks/heterogeneous.py" not in mods and "benchmarks/_hetero_model.py" not in mods
+
+
+def test_refresh_rewrites_a_stale_cited_number_at_its_precision():
+    value = report.lookup(report._load("paper_10t.json", {}), "paper_10t.device_bytes")
+    text = "fits in 1,234<!-- results:paper_10t.json:paper_10t.device_bytes --> bytes; 0.5<!-- results:" \
+           "paper_10t.json:paper_10t.predicted_step_seconds --> s"
+    new, changed = report.refresh_citations(text)
+    assert new.startswith(f"fits in {float(value):,.0f}<!-- results:") and changed >= 1
+    assert not report.check_citations(new)
