@@ -195,7 +195,23 @@ def _row(row: tuple, cache: dict) -> str:
             met = _met(p.get("goal_met"))
         except (KeyError, TypeError):
             iqr = "unpaired"
+    if not met and number:
+        met = _met(_against(float(value), goal))
     return f"| {label} | {shown} | {iqr} | {goal} | {met} | `{file}` |"
+
+
+GOAL = re.compile(r"^(?P<op><=|>=|<|>) (?P<bound>-?[\d.]+(?:e-?\d+)?)$")
+"""A goal a single number meets or not: ``>= 0.95``, ``< 30``, ``<= 1e-6``."""
+
+
+def _against(value: float, goal: str) -> bool | None:
+    """Whether ``value`` meets a :data:`GOAL` (``None`` for any other goal text: ``0``, ``all``, ``>= 0.9 x
+    ideal``, ...)."""
+    m = GOAL.match(goal.strip())
+    if not m:
+        return None
+    bound = float(m["bound"])
+    return {"<=": value <= bound, ">=": value >= bound, "<": value < bound, ">": value > bound}[m["op"]]
 
 
 def _provenance_rows(cache: dict) -> list[str]:
