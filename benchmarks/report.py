@@ -17,14 +17,15 @@ cannot go stale: to quote a figure in prose, copy it with its comment.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks._staleness import stale_results  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -288,64 +289,6 @@ def check_citations(text: str) -> list[str]:
         if abs(_scaled(float(value), suffix) - shown) > 0.5 * 10 ** -decimals + 1e-9:
             bad.append(f"{num}{suffix} cites {file}:{key} = {value}")
     return bad
-
-
-MEASURED_CODE = ["src", "examples", "pyproject.toml", "benchmarks/clusters"]
-"""The paths (git pathspecs) whose content decides what every benchmark measures: the product, the examples and
-the cluster files. Per result, its own script (named in its provenance command) and the benchmark modules that
-script imports (:func:`benchmark_modules`) are added; not the results, this renderer, ``run_all.sh``, other
-benchmarks' scripts, the docs or the tests."""
-SCRIPT = re.compile(r"benchmarks/([a-z]\w*)\.py")
-
-
-def benchmark_modules(script: str) -> list[str]:
-    """``script`` (a path under ``benchmarks/``) and every ``benchmarks`` module it imports, transitively, as
-    they are in this checkout (sorted paths)."""
-    seen, todo = set(), [script]
-    while todo:
-        path = todo.pop()
-        if path in seen or not (ROOT / path).is_file():
-            continue
-        seen.add(path)
-        for node in ast.walk(ast.parse((ROOT / path).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
-                names = [node.module] if node.module != "benchmarks" else [f"benchmarks.{a.name}" for a in node.names]
-                todo += [n.replace(".", "/") + ".py" for n in names]
-    return sorted(seen)
-
-
-def changed_since(commit: str, script: str | None = None) -> list[str] | None:
-    """Files of :data:`MEASURED_CODE` (plus ``script`` and the benchmark modules it imports; no script: all of
-    ``benchmarks/`` but its results) that differ between ``commit`` (a provenance commit, ``+dirty`` allowed)
-    and ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
-    rev = commit.removesuffix("+dirty")
-    paths = MEASURED_CODE + (benchmark_modules(script) if script else ["benchmarks", ":(exclude)benchmarks/results"])
-    try:
-        out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *paths], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.split() if out.returncode == 0 else None
-
-
-def stale_results() -> list[str]:
-    """One line per results file or part measured on code other than ``HEAD``'s (a ``+dirty`` commit counts as
-    other: what was uncommitted is unknown), naming its commit and how many measured-code files changed since."""
-    lines = []
-    for path in sorted(RESULTS.glob("*.json")):
-        prov = json.loads(path.read_text()).get("provenance") or {}
-        parts = prov.get("parts") or {"": prov}
-        for name, part in parts.items():
-            commit = str(part.get("commit", "unknown"))
-            script = SCRIPT.search(str(part.get("command", "")))
-            changed = changed_since(commit, script.group(0) if script else None)
-            label = path.name + (f" part {name}" if name else "")
-            if changed is None:
-                lines.append(f"{label}: commit {commit[:12]} unknown to git here")
-            elif changed or commit.endswith("+dirty"):
-                lines.append(f"{label}: measured at {commit[:12]}; {len(changed)} measured-code files changed since "
-                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
-    return lines
 
 
 def refresh_citations(text: str) -> tuple[str, int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report
+from benchmarks import _staleness, report
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -37,14 +37,14 @@ def test_citation_check_catches_a_typed_number():
 
 def test_staleness_compares_measured_code_with_head():
     """HEAD's own commit measured HEAD's code; an unknown commit is reported as unknown, not as current."""
-    assert report.changed_since("HEAD") == []
-    assert report.changed_since("HEAD+dirty") == []
-    assert report.changed_since("0" * 40) is None
+    assert _staleness.changed_since("HEAD") == []
+    assert _staleness.changed_since("HEAD+dirty") == []
+    assert _staleness.changed_since("0" * 40) is None
 
 
 def test_a_results_measured_code_follows_its_scripts_imports():
     """A benchmark's own script and the benchmark modules it imports count; another benchmark's script does not."""
-    mods = report.benchmark_modules("benchmarks/pipeline_overheads.py")
+    mods = _staleness.benchmark_modules("benchmarks/pipeline_overheads.py")
     assert {"benchmarks/pipeline_overheads.py", "benchmarks/vs_torch_pipelining.py", "benchmarks/pipeline_bubble.py",
             "benchmarks/_launch.py"} <= set(mods)
     assert "benchmarks/heterogeneous.py" not in mods and "benchmarks/_hetero_model.py" not in mods
