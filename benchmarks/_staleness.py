@@ -46,7 +46,7 @@ def changed_since(commit: str, script: str | None = None) -> list[str] | None:
     ``benchmarks/`` but its results) that differ between ``commit`` (a provenance commit, ``+dirty`` allowed)
     and ``HEAD``; ``None`` when git cannot tell (no checkout, unknown commit)."""
     rev = commit.removesuffix("+dirty")
-    paths = MEASURED_CODE + (benchmark_modules(script) if script else ["benchmarks", ":(exclude)benchmarks/results"])
+    paths = measured_paths(script)
     try:
         out = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", *paths], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
@@ -55,21 +55,44 @@ def changed_since(commit: str, script: str | None = None) -> list[str] | None:
     return out.stdout.split() if out.returncode == 0 else None
 
 
+def measured_paths(script: str | None) -> list[str]:
+    """The measured code of a result whose command names ``script`` (git pathspecs)."""
+    return MEASURED_CODE + (benchmark_modules(script) if script else ["benchmarks", ":(exclude)benchmarks/results"])
+
+
+def _dirty_measured(part: dict, script: str | None) -> list[str] | None:
+    """Of a ``+dirty`` run's uncommitted files (``dirty_files``), those in its measured code; ``None`` when the
+    run did not record them (what was uncommitted is unknown)."""
+    files = part.get("dirty_files")
+    if files is None:
+        return None
+    prefixes = [p.rstrip("/") for p in measured_paths(script) if not p.startswith(":")]
+    return [f for f in files if any(f == p or f.startswith(p + "/") for p in prefixes)]
+
+
 def stale_results() -> list[str]:
-    """One line per results file or part measured on code other than ``HEAD``'s (a ``+dirty`` commit counts as
-    other: what was uncommitted is unknown), naming its commit and how many measured-code files changed since."""
+    """One line per results file or part measured on code other than ``HEAD``'s: a measured-code file changed
+    since its commit, or uncommitted at the run (``+dirty`` with such ``dirty_files``, or without the list),
+    naming its commit and the files."""
     lines = []
     for path in sorted(RESULTS.glob("*.json")):
         prov = json.loads(path.read_text()).get("provenance") or {}
         parts = prov.get("parts") or {"": prov}
         for name, part in parts.items():
             commit = str(part.get("commit", "unknown"))
-            script = SCRIPT.search(str(part.get("command", "")))
-            changed = changed_since(commit, script.group(0) if script else None)
+            found = SCRIPT.search(str(part.get("command", "")))
+            script = found.group(0) if found else None
+            changed = changed_since(commit, script)
             label = path.name + (f" part {name}" if name else "")
+            short = commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
+            dirty = _dirty_measured(part, script) if commit.endswith("+dirty") else []
             if changed is None:
-                lines.append(f"{label}: commit {commit[:12]} unknown to git here")
-            elif changed or commit.endswith("+dirty"):
-                lines.append(f"{label}: measured at {commit[:12]}; {len(changed)} measured-code files changed since "
-                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})")
+                lines.append(f"{label}: commit {short} unknown to git here")
+            elif changed or dirty:
+                what = [f"{len(changed)} measured-code files changed since ({', '.join(changed[:3])}"
+                        f"{', ...' if len(changed) > 3 else ''})"] if changed else []
+                what += [f"uncommitted at the run: {', '.join(dirty[:3])}"] if dirty else []
+                lines.append(f"{label}: measured at {short}; " + "; ".join(what))
+            elif dirty is None:
+                lines.append(f"{label}: measured at {short}, which files were uncommitted is not recorded")
     return lines

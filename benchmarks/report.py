@@ -1,7 +1,7 @@
 """Render the benchmark tables of ``docs/benchmarks.md`` from ``benchmarks/results/*.json`` (``make report``).
 
     python benchmarks/report.py            # rewrite the block between the markers in docs/benchmarks.md
-    python benchmarks/report.py --check    # exit 1 if the block differs from what the JSONs give now
+    python benchmarks/report.py --check    # exit 1 if the block or a cited number differs from the JSONs
     python benchmarks/report.py --stale    # list results measured on code that differs from HEAD's
     python benchmarks/report.py --refresh docs/elastic.md   # rewrite the numbers cited there from the JSONs
 
@@ -208,6 +208,8 @@ GOAL = re.compile(r"^(?P<op><=|>=|<|>) (?P<bound>-?[\d.]+(?:e-?\d+)?)$")
 def _against(value: float, goal: str) -> bool | None:
     """Whether ``value`` meets a :data:`GOAL` (``None`` for any other goal text: ``0``, ``all``, ``>= 0.9 x
     ideal``, ...)."""
+    if goal.strip() in ("0", "true"):
+        return value == (0 if goal.strip() == "0" else 1)
     m = GOAL.match(goal.strip())
     if not m:
         return None
@@ -316,13 +318,17 @@ def refresh_citations(text: str) -> tuple[str, int]:
 def main() -> None:
     """Rewrite the block in docs/benchmarks.md, or with ``--check`` say whether it is current."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the block is not what the JSONs give")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the block, or a number cited in README.md or "
+                    "docs/*.md, is not what the JSONs give (report.py --refresh DOC fixes the latter)")
     ap.add_argument("--stale", action="store_true", help="list results measured on code other than HEAD's (exit 1 "
                     "when there are any)")
     ap.add_argument("--refresh", nargs="+", metavar="DOC", default=[],
                     help="rewrite the cited numbers in these Markdown files from their JSONs (then re-read the prose)")
     args = ap.parse_args()
     for doc in args.refresh:
+        bad = [b for b in check_citations(Path(doc).read_text()) if "which the JSON does not have" in b]
+        if bad:
+            sys.exit(f"{doc}: {bad[0]} (or the JSON is missing); fix or drop that citation, then --refresh again")
         text, n = refresh_citations(Path(doc).read_text())
         Path(doc).write_text(text)
         print(f"{doc}: {n} cited numbers changed")
@@ -330,12 +336,17 @@ def main() -> None:
         return
     if args.stale:
         lines = stale_results()
-        print("\n".join(lines) if lines else "every result was measured on HEAD's code (src, benchmarks, examples)")
+        print("\n".join(lines) if lines else "every result was measured on HEAD's code (src, examples, cluster "
+              "files, and each benchmark's script with the benchmark modules it imports)")
         sys.exit(1 if lines else 0)
     text = DOC.read_text()
     new = splice(text, render())
     if args.check:
-        sys.exit(0 if new == text else 1)
+        bad = [f"{doc.relative_to(ROOT)}: {b}" for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+               for b in check_citations(doc.read_text())]
+        bad += [] if new == text else ["docs/benchmarks.md: the results block is not what the JSONs give: make report"]
+        print("\n".join(bad) if bad else "the results block and every cited number match the JSONs")
+        sys.exit(1 if bad else 0)
     DOC.write_text(new)
     print(f"rendered {len(ROWS)} figures into {DOC.relative_to(ROOT)}")
 

@@ -47,10 +47,13 @@ Interleaved1F1B ZB-H1 --steps 6 --warmup 2 --out $R/pipeline_bubble_schedules.js
 ORDER=(dp_overhead vs_torch_pipelining zero3 pipeline_bubble pipeline_bubble_schedules straggler moe moe_vs_dense
        planner planner_heldout heterogeneous memory elastic published paper_10t sequence_parallel_memory
        classification exit_teardown reliability)
+ALL=("${ORDER[@]}")
 [ $# -gt 0 ] && ORDER=("$@")
+for name in "${ORDER[@]}"; do  # every name checked before anything runs (a typo is not found hours in)
+  [ -n "${CMD[$name]:-}" ] || { echo "unknown benchmark '$name'; one of: ${ALL[*]}"; exit 2; }
+done
 failed=()
 for name in "${ORDER[@]}"; do
-  [ -n "${CMD[$name]:-}" ] || { echo "unknown benchmark '$name'; one of: ${!CMD[*]}"; exit 2; }
   echo "$(date -u +%H:%M:%S) $name: $PY ${CMD[$name]}"
   start=$SECONDS
   if $PY ${CMD[$name]} >"$LOGS/$name.log" 2>&1; then
@@ -59,4 +62,5 @@ for name in "${ORDER[@]}"; do
     echo "$(date -u +%H:%M:%S) $name: FAILED after $((SECONDS - start)) s (see $LOGS/$name.log)"; failed+=("$name")
   fi
 done
+echo "next: make report (renders docs/benchmarks.md from the JSONs and lists any result measured on other code)"
 [ ${#failed[@]} -eq 0 ] || { echo "failed: ${failed[*]}"; exit 1; }

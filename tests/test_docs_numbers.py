@@ -57,3 +57,11 @@ def test_refresh_rewrites_a_stale_cited_number_at_its_precision():
     new, changed = report.refresh_citations(text)
     assert new.startswith(f"fits in {float(value):,.0f}<!-- results:") and changed >= 1
     assert not report.check_citations(new)
+
+
+def test_a_dirty_run_is_stale_only_for_uncommitted_measured_code():
+    script = "benchmarks/paper_10t.py"
+    assert _staleness._dirty_measured({"dirty_files": ["benchmarks/run_all.sh", "docs/x.md"]}, script) == []
+    assert _staleness._dirty_measured({"dirty_files": ["src/whale/__init__.py"]}, script) == ["src/whale/__init__.py"]
+    assert _staleness._dirty_measured({"dirty_files": [script]}, script) == [script]
+    assert _staleness._dirty_measured({}, script) is None  # not recorded: unknown, reported as such
