@@ -196,7 +196,7 @@ def _row(row: tuple, cache: dict) -> str:
             met = _met(p.get("goal_met"))
         except (KeyError, TypeError):
             iqr = "unpaired"
-    if not met and number:
+    if not met and isinstance(value, int | float):  # a bool too: goal "true"
         met = _met(_against(float(value), goal))
     return f"| {label} | {shown} | {iqr} | {goal} | {met} | `{file}` |"
 
@@ -206,8 +206,8 @@ GOAL = re.compile(r"^(?P<op><=|>=|<|>) (?P<bound>-?[\d.]+(?:e-?\d+)?)$")
 
 
 def _against(value: float, goal: str) -> bool | None:
-    """Whether ``value`` meets a :data:`GOAL` (``None`` for any other goal text: ``0``, ``all``, ``>= 0.9 x
-    ideal``, ...)."""
+    """Whether ``value`` meets a :data:`GOAL`, ``0`` or ``true`` (a bool as 1.0); ``None`` for any other goal text
+    (``all``, ``>= 0.9 x ideal``, ...)."""
     if goal.strip() in ("0", "true"):
         return value == (0 if goal.strip() == "0" else 1)
     m = GOAL.match(goal.strip())
