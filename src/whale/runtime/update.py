@@ -6,7 +6,9 @@ decides nothing the plan does not say. Order matters for collectives: every rank
 collectives first (``grad_sync.finish``), then the loss all-reduce (which, under fp16, also carries every
 rank's overflow flag), then clipping's norm all-reduce, so every group sees the same order on all its members.
 Before any update every rank checks its losses and gradients for NaN/inf (:mod:`whale.runtime.nonfinite`); the
-flag rides on one of those all-reduces (the rule, the same on every rank, is in :meth:`_apply_gradients`).
+flag rides on one of those all-reduces (the rule, the same on every rank, is in :meth:`_apply_gradients`). In a
+plain pipeline (:meth:`_flag_early`) stage 0, whose last backward ends the step, decides without waiting for
+anyone: the other ranks' flags arrive on the loss all-reduce during that backward (:meth:`_apply_early`).
 """
 
 from __future__ import annotations
@@ -31,14 +33,22 @@ class GradientUpdate:
         """Whether pipeline stage 0 starts the loss all-reduce in its last backward (the same on every rank)."""
         return self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None
 
+    def _flag_early(self) -> bool:
+        """Whether stage 0 decides the step's NaN/inf check alone (:meth:`_apply_early`; the same on every rank):
+        :meth:`_loss_early`, no clipping (its norm all-reduce carries the flag), no split region and no ZeRO, so
+        every rank of stage 0 holds the same reduced gradients and checks all of them."""
+        return (self._loss_early() and not self.ctx.config.max_grad_norm and not self.split.regions
+                and not self.plan.zero)
+
     def _arm(self, loss_sum: float) -> None:
         """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
         stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
         stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
         backward."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
-        if self.stage == 0 and self._loss_early():
-            self._loss_started = self._start_sum([loss_sum])
+        if self.stage == 0 and self._loss_early():  # _flag_early: this rank's losses are all computed by now
+            self._loss_started = self._start_sum([loss_sum] + ([self.nonfinite.local([])] if self._flag_early()
+                                                              else []))
         self.grad_sync.arm(extra)
 
     def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
@@ -69,6 +79,8 @@ class GradientUpdate:
         Raises:
             NonFiniteError, LossShapeError: on every rank, before the optimizer step.
         """
+        if self._flag_early():
+            return self._apply_early(loss_sum)
         fused, scaler, clip = self._fuse_loss(), self.precision.scaler, self.ctx.config.max_grad_norm
         same = fused and self.plan.zero < 2  # every rank holds the whole reduced gradients and the global loss
         checked = [] if scaler is not None else list(self.module.parameters()) if same else self._norm_owner
@@ -107,6 +119,39 @@ class GradientUpdate:
         if loss is None:
             (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
         return loss, norm, skipped
+
+    def _apply_early(self, loss_sum: float) -> tuple[float, None, bool]:
+        """:meth:`_apply_gradients` of a plain pipeline (:meth:`_flag_early`), with no round trip after stage 0's
+        last backward, which ends the step. Every other rank joins the loss all-reduce after its own last backward
+        with its NaN/inf flag on it (stage 0 started it before that backward, with its losses' flag), so the sum
+        has arrived when stage 0's backward ends: stage 0 adds its gradients' flag and decides. Its flag follows
+        to the others in a second all-reduce that stage 0 starts and waits for only after its optimizer step (the
+        others wait, while stage 0 steps and starts the next forward). Every rank sums the same flags: the same
+        decision, before any optimizer step."""
+        if self.stage == 0:
+            checked = list(self.module.parameters())  # the same reduced gradients on every lane of stage 0
+            own = self.nonfinite.local(checked)
+            started = self._loss_started or self._start_sum([loss_sum, self.nonfinite.local([])])
+            loss, others = started()
+            self._loss_started = None
+            told = self._start_sum([own])
+            skipped = own + others > 0
+        else:
+            checked = self._norm_owner
+            loss, _ = found = self._start_sum([loss_sum, self.nonfinite.local(checked)])()
+            told = self._start_sum([0.0])
+            skipped = found[1] + told()[0] > 0
+        if skipped:  # the rare path, as in _apply_gradients
+            told()
+            try:
+                self.nonfinite.act(checked, self.steps_done)
+            finally:
+                self._zero_grad()
+        else:
+            (self.offload.step if self.offload is not None else self.optimizer.step)()
+        self._zero_grad()
+        told()
+        return loss, None, skipped
 
     def _grad_holders(self) -> list:
         """The tensors whose ``.grad`` unscaling and clipping scale: this rank's parameters, and under ZeRO-2
