@@ -44,8 +44,8 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 FLOORS: dict[str, int] = {
-    "whale.units": 0, "whale.cluster": 0, "whale.annotation": 0, "whale.splitrules": 0, "whale.loss": 0,
-    "whale.detect": 0, "whale.memory.host": 0,
+    "whale.units": 0, "whale.cluster": 0, "whale.emulation_cores": 0, "whale.annotation": 0, "whale.splitrules": 0,
+    "whale.loss": 0, "whale.detect": 0, "whale.memory.host": 0,
     "whale.plan": 1,
     "whale.config": 2, "whale.moe": 2, "whale.splitrules_hf": 2,
     "whale.planner": 3,
