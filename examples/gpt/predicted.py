@@ -57,8 +57,9 @@ def prediction_report(engine: wh.Engine, args, bubble: list[dict], state: dict) 
     out = _print(engine, pred, bubble, state)
     missing = _missing_fit(model, x, engine.memory.tracker is not None)
     if missing:
-        print(f" (no {missing} cached on this machine: the prediction under-predicts a real step; run once with "
-              f"--calibrate-engine to measure it, a few minutes, and later runs use it)", flush=True)
+        print(f" (no {missing} cached on this machine: the prediction uses the isolated unit timings without the "
+              f"engine's scale and overheads, so it is less accurate, either way; run once with --calibrate-engine "
+              f"to measure it, a few minutes, and later runs use it)", flush=True)
     return out
 
 

@@ -2,22 +2,22 @@
 
 Everything printed is read off the plan's fields or derived by the contract's own rules (the layout, and the
 whole units of :func:`whale.plan.shares.whole_shares`); nothing here plans. The plan module imports this one, so
-the types below are imported for type checkers only.
+this one imports nothing of it, not even for type checkers: a plan is annotated ``_Plan`` (``Any``).
 """
 
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING
+from typing import Any
 
 from whale.plan.shares import whole_shares
 from whale.units import format_bytes
 
-if TYPE_CHECKING:  # plan.py imports this module for Plan.__str__
-    from whale.plan.plan import Plan, TaskGraph
+_Plan = Any  # a whale.plan.plan.Plan (plan.py imports this module for Plan.__str__; no import back)
+_TaskGraph = Any  # one of its TaskGraphs
 
 
-def _layout(plan: Plan) -> str:
+def _layout(plan: _Plan) -> str:
     """What runs where, in the field's words, e.g. ``2 pipeline stages x 2-way data parallel``."""
     k = plan.num_replicas
     kinds = {tg.kind for tg in plan.task_graphs}
@@ -46,7 +46,7 @@ def _layout(plan: Plan) -> str:
     return " ".join(parts)
 
 
-def _header(plan: Plan) -> str:
+def _header(plan: _Plan) -> str:
     mb = plan.num_micro_batch
     if plan.is_pipeline:
         steps = f"{mb} micro-batch(es), schedule {plan.schedule}" + \
@@ -72,7 +72,7 @@ def _wrapped(prefix: str, names, width: int = 110) -> list[str]:
     return lines or [prefix + "-"]
 
 
-def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
+def _task_graph_rows(plan: _Plan, tg: _TaskGraph) -> list[str]:
     stage = 0 if plan.colocated else plan.position_of(tg.index)  # interleaved: chunk c on its stage
     ranks = ",".join(map(str, plan.stage_ranks(stage)))
     lead = f"{tg.index:>3} {tg.kind:<10} {tg.device_count:>3}  {ranks:<16} {tg.num_params:>12,}  "
@@ -82,7 +82,7 @@ def _task_graph_rows(plan: Plan, tg: TaskGraph) -> list[str]:
     return rows
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: _Plan) -> str:
     """A table of TaskGraphs (kind, devices per replica, ranks, parameters, modules), then the lanes' shares,
     the stage cut, the devices and what is shared or noted."""
     lines = [_header(plan),
@@ -120,7 +120,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _chunks_of(plan: Plan, stage: int) -> str:
+def _chunks_of(plan: _Plan, stage: int) -> str:
     """An interleaved stage's chunks and their unit counts (``0 (4 units), 2 (2 units)``), or its chunk
     indices when the cut is as annotated."""
     cuts = plan.stage_cuts
@@ -128,7 +128,7 @@ def _chunks_of(plan: Plan, stage: int) -> str:
                      for c in plan.chunks_of(stage))
 
 
-def _stage_chunk_rows(plan: Plan) -> list[str]:
+def _stage_chunk_rows(plan: _Plan) -> list[str]:
     """Per stage of an interleaved plan, its device types and chunks with their units, e.g. ``stage 0
     (V100-32GB): 3 chunks: 0 (units emb..blocks.1), 2 (units blocks.4..blocks.5), 4 (units blocks.7)``."""
     rows = []
@@ -144,7 +144,7 @@ def _stage_chunk_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _device_rows(plan: Plan) -> list[str]:
+def _device_rows(plan: _Plan) -> list[str]:
     """Per rank: device type, stage, lane, batch share, predicted busy share (and memory), and under an
     interleaved plan its chunks with their units."""
     mem, chunks = bool(plan.predicted_memory), plan.virtual_stages > 1
@@ -165,7 +165,7 @@ def _device_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _lane_rows(plan: Plan) -> list[str]:
+def _lane_rows(plan: _Plan) -> list[str]:
     """Each lane's share of every micro-batch: one list for stages of one width, per stage otherwise."""
     if plan.uniform_width:
         if plan.num_lanes == 1:
@@ -186,7 +186,7 @@ def _lane_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _shard_rows(plan: Plan) -> list[str]:
+def _shard_rows(plan: _Plan) -> list[str]:
     """Relative shard weights of each split over several devices (each sharded dim is cut into whole
     elements by :func:`whale.plan.shares.whole_shares` of these weights)."""
     rows = []
@@ -199,7 +199,7 @@ def _shard_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _expert_rows(plan: Plan) -> list[str]:
+def _expert_rows(plan: _Plan) -> list[str]:
     """Per MoE layer under split: experts per device of its split group: whole units of its shard weights, at
     least one each (:func:`whale.plan.shares.whole_shares`, as the runtime cuts the stacked expert tensors and
     :func:`whale.planner.experts.expert_counts` places them)."""
@@ -219,7 +219,7 @@ def _expert_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def _zero_rows(plan: Plan) -> list[str]:
+def _zero_rows(plan: _Plan) -> list[str]:
     """The ZeRO stage and, per stage with several lanes, each lane's share of the sharded state."""
     if not plan.zero:
         return []

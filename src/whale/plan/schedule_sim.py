@@ -8,6 +8,8 @@ as data, their validation and completion order), whose completion order it repla
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from whale.plan.schedule import Action, Schedule, chunk_ids, completion_order
 
 
@@ -39,6 +41,20 @@ def _action_cost(a: Action, share: tuple[float, float], split: bool, f: float, b
     if a.kind == "W":
         return (b / 2 if w is None else w) * share[1]
     return (b / 2 if split and w is None else b) * share[1]
+
+
+def _arrival(a: Action, g: int, lane: int, last: int, finish: dict[tuple[int, int, str, int], float],
+             feeds: list[int], peers: list[int], link: Callable[[int, int], float]) -> float:
+    """Seconds at which every transfer into action ``a`` of model chunk ``g`` on ``lane`` has arrived: a forward
+    waits for the forwards of chunk g - 1 on the lanes that ``feeds`` it, a backward for the backwards of chunk
+    g + 1 on its ``peers`` (``last``: the last model chunk), each plus the hand-off ``link(chunk, lane)``; a W, the
+    first chunk's forward and the last chunk's backward wait for nothing (0.0). ``finish``: (model chunk, lane,
+    kind, mb) -> seconds that action ended."""
+    if a.kind == "F":
+        return max((finish[(g - 1, j, "F", a.mb)] + link(g - 1, j) for j in feeds), default=0.0) if g else 0.0
+    if a.kind == "B":
+        return max((finish[(g + 1, j, "B", a.mb)] + link(g, lane) for j in peers), default=0.0) if g < last else 0.0
+    return 0.0
 
 
 def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[list[list[float]]],
@@ -92,15 +108,7 @@ def simulate_lanes(schedule: Schedule, fwd: list[list[list[float]]], bwd: list[l
         for lane in range(lanes[s]):
             w = weight[s][lane][a.mb] if weight is not None else None
             cost = _action_cost(a, shares[s][a.chunk], split[s], fwd[s][lane][a.mb], bwd[s][lane][a.mb], w)
-            if a.kind == "F":
-                dep = max((finish[(g - 1, j, "F", a.mb)] + link(g - 1, j) for j in feeds[s][lane]),
-                          default=0.0) if g else 0.0
-            elif a.kind == "B":
-                dep = max((finish[(g + 1, j, "B", a.mb)] + link(g, lane) for j in peers[s][lane]), default=0.0) \
-                    if g < last else 0.0
-            else:
-                dep = 0.0
-            start = max(clock[s][lane], dep)
+            start = max(clock[s][lane], _arrival(a, g, lane, last, finish, feeds[s][lane], peers[s][lane], link))
             clock[s][lane] = start + cost
             finish[(g, lane, a.kind, a.mb)] = clock[s][lane]
             events.append((s, lane, a.kind + (f"c{a.chunk}" if a.chunk else ""), a.mb, start, clock[s][lane]))
