@@ -17,11 +17,9 @@ block 7, ln, head; tied TinyLM). On each, 3 steps:
   by its own RMS: test_precision's caveat, twice), while SGD stays linear in the bf16-rounded gradients;
 - dropout in training mode: per :mod:`whale.runtime.rng` each stage's forwards draw from its lane stream
   ``("lane", seed, stage, lane)`` (running on through the step's forwards, here in the stage's schedule order
-  over its chunks), never from the user's stream; the reference applies the masks those streams draw. XFAIL:
-  an interleaved stage module is :class:`whale.parallel.chunks.Chunks`, whose own forward never runs (the
-  schedule calls each chunk), so the lane stream's hook never fires: dropout draws from the user's default
-  generator, which then moves during ``engine.step`` and differs between the ranks. (Hooking the lane stream
-  on each chunk in the ranks, a candidate fix, makes both maps pass as written.)
+  over its chunks), never from the user's stream; the reference applies the masks those streams draw. (Before
+  the fix an interleaved stage's dropout drew from the user's generator: the stage module is
+  :class:`whale.parallel.chunks.Chunks`, whose own forward never runs, so the lane stream now hooks each chunk.)
 """
 
 from __future__ import annotations
@@ -198,8 +196,6 @@ def _dropout(rank, world, where):
             "full": engine.full_state_dict(), "chunks": _chunk_params(engine)}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Whale bug: an interleaved stage's dropout skips its lane stream (see the docstring)")
 @pytest.mark.parametrize("where", MAPS)
 def test_dropout_draws_the_lane_streams_and_matches_one_process(where):
     results = run_ranks(_dropout, 2, where, timeout=180)

@@ -9,7 +9,8 @@ every data-parallel lane and every shard of a split layer would draw the same dr
   (a global batch drawn with ``torch.randn`` after ``parallelize`` is the same everywhere). Checkpoints save
   and restore them (``torch.get_rng_state``).
 - **The stage's forward** (every micro-batch, train and eval) draws from the *lane stream*, seeded from
-  ``(seed, stage, lane)``: each lane draws its own masks for its own rows, and each pipeline stage its own.
+  ``(seed, stage, lane)``: each lane draws its own masks for its own rows, and each pipeline stage its own. An
+  interleaved stage's model chunks share it, in the order the schedule runs their forwards.
 - **A split region's forward** runs on the rows gathered from its whole split group, the same on each of its n
   ranks, so it draws from the *group stream*, seeded from ``(seed, stage, replica, region)``: identical on the
   ranks of one split group, different between replicas (nested data parallelism: replica = lane // n; the
@@ -163,7 +164,8 @@ class RankStreams:
         self.lane = None
         if not any(module is r for r in regions):
             self.lane = Stream(generators, ("lane", seed, stage, lane), step_of)
-            self.handles += _hook(module, self.lane, fresh)
+            for part in getattr(module, "chunks", [module]):  # interleaved: the schedule calls each chunk
+                self.handles += _hook(part, self.lane, fresh)
         self.groups, self.shards = [], []
         for i, region in enumerate(regions):
             group = Stream(generators, ("group", seed, stage, replica, i), step_of)
