@@ -281,10 +281,12 @@ def _skip(rank, world, spec):
     {"layers": (1, 1), "tied": False, "early": True, "poison": (0, 0), "at": 1, "param": "blocks.0.fc1.weight",
      "names": "the gradient of 'blocks.0.fc1.weight' (stage 0) holds NaN"},
     # the same on 2 lanes per stage (world 4), the NaN on one lane of stage 0 (before the lanes' reduction) ...
-    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (0, 1), "at": 2, "param": "blocks.0.fc2.weight",
+    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (0, 1), "at": 2,
+     "param": "blocks.0.fc2.weight",
      "names": "the gradient of 'blocks.0.fc2.weight' (stage 0) holds NaN"},
     # ... and on one lane of stage 1: its flag rides on the loss all-reduce that stage 0 reads
-    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (1, 1), "at": 1, "param": "blocks.1.fc1.weight",
+    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (1, 1), "at": 1,
+     "param": "blocks.1.fc1.weight",
      "names": "the gradient of 'blocks.1.fc1.weight' (stage 1) holds NaN"},
 ], ids=["zero3-clip", "tied-pipeline-stage0-only", "pipeline-stage0-only", "pp2xdp2-stage0-lane1",
         "pp2xdp2-stage1-lane1"])
