@@ -31,41 +31,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
+from benchmarks._torch_timing import TIMES as _CUR  # noqa: E402
+from benchmarks._torch_timing import torch_timers as _torch_timers  # noqa: E402
+from benchmarks._torch_timing import wrap as _wrap  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
 from benchmarks.vs_torch_pipelining import _torch_runner, _whale_runner  # noqa: E402
 
 EXTRA = ("batch", "sync", "update", "memory", "optim", "finite")
 """Whale's parts of ``after`` (ms): batch slicing, gradient sync, the update (loss all-reduce, NaN/inf check,
 optimizer, zeroing), the memory monitor's step end; within the update the optimizer and the NaN/inf check."""
-
-
-def _wrap(obj, name: str, into: dict, key: str) -> None:
-    """Time every call of ``obj.name`` (seconds added to ``into[key]``)."""
-    fn = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            into[key] += time.perf_counter() - t0
-    setattr(obj, name, timed)
-
-
-_CUR: dict = defaultdict(float)
-"""Seconds per part of the step under way (cleared before each step)."""
-
-
-def _torch_timers() -> None:
-    """Time torch's schedules' ``step`` and its per-chunk forward / backward / weight-gradient calls into
-    :data:`_CUR` (class-level, once per process)."""
-    from torch.distributed.pipelining import schedules as ts
-    from torch.distributed.pipelining import stage as st
-
-    for name, key in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-        _wrap(st._PipelineStageBase, name, _CUR, key)
-    for cls in (ts.ScheduleGPipe, ts.Schedule1F1B, ts.ScheduleInterleavedZeroBubble):
-        _wrap(cls, "step", _CUR, "schedule")
 
 
 def _case(rank: int, world: int, args, schedule: str) -> dict:

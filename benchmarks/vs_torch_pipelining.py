@@ -24,8 +24,11 @@ per step, so one step's millisecond jitter (a 20 ms step of the tiny model) is a
 ``throughput_ratio_vs_torch_pipelining`` = the median over pairs of torch's step seconds / Whale's
 (goal >= 1.0), with its interquartile range and ``goal_met`` (``"unclear"`` when the IQR straddles 1.0), by
 :func:`benchmarks._paired.summary`.
-Whale's measured idle share per stage (1 - busy / the step's schedule makespan) is reported beside the
-schedule's formula (:func:`whale.plan.schedule.schedule_bubble`). A Whale step includes what its API returns
+Each framework's measured idle share per stage (1 - busy / the step's schedule makespan; torch's busy time is
+that of its stages' forward / backward / weight-gradient calls, :mod:`benchmarks._torch_timing`) is reported
+beside the schedule's formula (:func:`whale.plan.schedule.schedule_bubble`): the formula prices transfers at
+zero, so ``whale_minus_torch_idle`` tells what the schedule's implementation adds from what the host's
+transfers add to both. A Whale step includes what its API returns
 (the global loss all-reduced to every rank); torch's step is ``schedule.step`` + ``optimizer.step`` +
 ``zero_grad`` (its loss stays on the last stage and is read outside the timed region).
 
@@ -50,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._launch import launch  # noqa: E402
 from benchmarks._paired import summary  # noqa: E402
 from benchmarks._provenance import Run  # noqa: E402
+from benchmarks._torch_timing import TIMES, torch_timers  # noqa: E402
 from benchmarks.pipeline_bubble import Pipe  # noqa: E402
 from whale.plan.schedule import schedule_bubble  # noqa: E402
 
@@ -91,15 +95,19 @@ def _torch_runner(model: Pipe, schedule: str, rank: int, world: int, args):
     last = rank == world - 1
 
     def step(x, y):
-        """One schedule step and optimizer step; the micro-batch losses on the last stage."""
+        """One schedule step and optimizer step: ``(micro-batch losses on the last stage else None, busy s,
+        schedule s)`` (busy: the stages' forward / backward / weight-gradient calls, :mod:`benchmarks.
+        _torch_timing`)."""
         losses: list = []
+        TIMES.clear()
         if rank == 0:
             sched.step(x, target=y, losses=losses) if multi else sched.step(x)
         else:
             sched.step(target=y, losses=losses)
+        busy, window = TIMES["F"] + TIMES["B"] + TIMES["W"], TIMES["schedule"]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return losses if last else None
+        return losses if last else None, busy, window
 
     return step
 
@@ -133,18 +141,16 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
     y = torch.randn(rows * args.micro_batches, dim, generator=g)
     times: dict[str, list[float]] = {"whale": [], "torch": []}
     losses: dict[str, list] = {"whale": [], "torch": []}
-    spans: list[tuple[float, float]] = []
+    spans: dict[str, list[tuple[float, float]]] = {"whale": [], "torch": []}
     runners = {"whale": whale_step, "torch": torch_step}
     k = args.block
     for i in range(args.warmup + args.steps // k):
         order = ("whale", "torch") if i % 2 == 0 else ("torch", "whale")
         for name in order:
             seconds, outs = _timed(lambda n=name: [runners[n](x, y) for _ in range(k)])
-            for loss in outs:
-                if name == "whale":
-                    loss, busy, window = loss
-                    if i >= args.warmup:
-                        spans.append((busy, window))
+            for loss, busy, window in outs:
+                if i >= args.warmup:
+                    spans[name].append((busy, window))
                 losses[name].append([float(v.detach()) for v in loss] if isinstance(loss, list) else loss)
             if i >= args.warmup:
                 times[name].append(seconds / k)
@@ -153,11 +159,14 @@ def _case(rank: int, world: int, args, dim: int, rows: int, schedule: str) -> di
     dist.all_gather_object(gathered, (torch_losses, spans))
     if rank != 0:
         return None
-    idle = _idle_shares([g[1] for g in gathered])
+    idle = _idle_shares([g[1]["whale"] for g in gathered])
+    torch_idle = _idle_shares([g[1]["torch"] for g in gathered])
     theory = schedule_bubble(schedule, world, args.micro_batches, v)
     return _record(dim, rows, schedule, times, [float(v) for v in losses["whale"]], gathered[world - 1][0]) | {
         "virtual_stages": v, "torch_schedule": TORCH_SCHEDULES[schedule], "whale_idle_share": idle,
-        "theory_idle_share": theory, "idle_minus_theory": [i - theory for i in idle]}
+        "theory_idle_share": theory, "idle_minus_theory": [i - theory for i in idle],
+        "torch_idle_share": torch_idle, "whale_minus_torch_idle": [a - b for a, b in zip(idle, torch_idle,
+                                                                                          strict=True)]}
 
 
 def _idle_shares(spans: list[list[tuple[float, float]]]) -> list[float]:
@@ -185,6 +194,7 @@ def _record(dim: int, rows: int, schedule: str, times: dict, whale_losses: list,
 
 def worker(rank: int, world: int, args) -> list[dict]:
     """Every case on this rank (``world`` must be 2: one rank per stage); the records on rank 0."""
+    torch_timers()
     results = []
     for dim, rows in ((args.tiny_dim, args.tiny_rows), (args.dim, args.rows)):
         for schedule in args.schedules:
@@ -200,12 +210,13 @@ def report(results: list[dict], args, seconds: float | None = None, run: Run | N
         ratio = r["throughput_ratio_vs_torch_pipelining"]
         model = f"d{r['dim']}x{r['rows_per_micro_batch']}"
         iqr = "{:.3f}-{:.3f}".format(*r["throughput_ratio_iqr"])
-        idle = " ".join(f"{i:.3f}" for i in r["whale_idle_share"])
+        idle = " ".join(f"{i:.3f}" for i in r["whale_idle_share"]) + " torch " + " ".join(
+            f"{i:.3f}" for i in r["torch_idle_share"])
         print(f"{model:>10} {r['schedule']:>15} {r['whale_step_s'] * 1e3:>9.2f} {r['torch_step_s'] * 1e3:>9.2f} "
               f"{ratio:>7.3f} {iqr:>13}  {str(r['goal_met']):<5} {r['first_loss_rel_diff']:>13.1e}  "
               f"{idle} ({r['theory_idle_share']:.3f})")
     print("ratio = median over ABBA pairs of torch step / Whale step (throughput ratio, goal >= 1.0); loss diff of "
-          "the first step; idle = Whale's 1 - busy / schedule makespan, theory = schedule_bubble")
+          "the first step; idle = 1 - busy / schedule makespan (Whale's, then torch's), theory = schedule_bubble")
     out = {"args": vars(args), "results": results, "wall_s": seconds}
     if args.out:
         out = (run or Run()).write(args.out, out)

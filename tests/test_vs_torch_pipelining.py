@@ -1,7 +1,7 @@
 """benchmarks/vs_torch_pipelining.py on 2 ranks with a tiny config: Whale and torch.distributed.pipelining
 compute the same first-step loss from the same initial weights, for GPipe, 1F1B, interleaved 1F1B and zero-bubble,
-and the JSON report has
-its fields. No speed assertion: speed is the benchmark's to report (benchmarks/results/vs_torch_pipelining.json).
+and the JSON report has its fields, with both frameworks' idle shares per stage. No speed assertion: speed is the
+benchmark's to report (benchmarks/results/vs_torch_pipelining.json).
 """
 
 from __future__ import annotations
@@ -40,4 +40,8 @@ def test_whale_and_torch_pipelining_agree(tmp_path):
                     "whale_idle_share", "theory_idle_share"):
             assert key in r
         assert r["whale_step_s"] > 0 and r["torch_step_s"] > 0
+        for share in r["whale_idle_share"] + r["torch_idle_share"]:  # both frameworks' compute was timed
+            assert 0.0 <= share < 1.0
+        assert r["whale_minus_torch_idle"] == [a - b for a, b in zip(r["whale_idle_share"], r["torch_idle_share"],
+                                                                     strict=True)]
         assert len(r["raw_step_s"]["whale"]) == len(r["raw_step_s"]["torch"]) == 2  # seconds per step, per block
