@@ -35,10 +35,14 @@ class GradientUpdate:
 
     def _flag_early(self) -> bool:
         """Whether stage 0 decides the step's NaN/inf check alone (:meth:`_apply_early`; the same on every rank):
-        :meth:`_loss_early`, no clipping (its norm all-reduce carries the flag), no split region and no ZeRO, so
-        every rank of stage 0 holds the same reduced gradients and checks all of them."""
-        return (self._loss_early() and not self.ctx.config.max_grad_norm and not self.split.regions
-                and not self.plan.zero)
+        :meth:`_loss_early`, no clipping (its norm all-reduce carries the flag), no ZeRO, and every stage one
+        device wide with no split region or expert layer in any stage (read from the plan, never from this rank's
+        stage: every rank takes the same route), so every rank of stage 0 holds the same reduced gradients and
+        checks all of them."""
+        plan = self.plan
+        return (self._loss_early() and not self.ctx.config.max_grad_norm and not plan.zero
+                and all(w == 1 for w in plan.stage_widths) and not plan.moe_layers
+                and not any(plan.split_targets(s) for s in range(plan.num_stages)))
 
     def _arm(self, loss_sum: float) -> None:
         """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
