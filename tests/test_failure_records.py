@@ -76,6 +76,7 @@ def rank_of(monkeypatch, tmp_path):
     monkeypatch.setenv(failures.ERROR_DIR_ENV, str(tmp_path))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setattr(failures, "PEER_WAIT_S", 0.0)
+    monkeypatch.setattr(heartbeat, "_STATE", {"step": 0, "phase": "starting", "since": time.time()})  # per test
 
     def report(exc, r):
         monkeypatch.setattr(failures, "_rank_world", lambda: (r, 2))
@@ -104,9 +105,13 @@ def test_a_genuine_timeout_is_the_first_error_and_its_peer_a_casualty(rank_of, t
 
 def test_a_failed_collective_without_any_record_says_so(rank_of, tmp_path):
     """No processes. A communication error with no failure recorded claims no first failure: one line saying a
-    peer died or stopped responding, its traceback in a file."""
+    peer died or stopped responding, its traceback in a file; the step and phase only once a step has begun."""
+    before = rank_of(_raised(_native_wait), 1)
+    assert before.startswith("error: [rank 1] RuntimeError: a collective failed (shape ")
+    heartbeat.beat("forward micro-batch 2", step=7)
     out = rank_of(_raised(_native_wait), 1)
-    path = re.fullmatch(r"error: \[rank 1\] RuntimeError: a collective failed at step \d+, .* and no rank reported "
+    path = re.fullmatch(r"error: \[rank 1\] RuntimeError: a collective failed at step 7, forward micro-batch 2 "
+                        r"\(.*\) and no rank reported "
                         r"an error: a peer died or stopped responding \(the launcher names it\); traceback in (.+)\n",
                         out).group(1)
     assert "work.wait()" in Path(path).read_text()
