@@ -6,8 +6,8 @@ every rank before the update, with the weights of the step before (one-process r
 every rank with later steps matching a one-process reference that skips the same step; an all-ignored
 micro-batch under a plain mean loss points to wh.token_cross_entropy; a non-scalar loss raises on every rank.
 Each route the flag takes is covered: no flag (DP, loss fused into the bucket), the loss all-reduce (tied
-pipeline; fp16; a split head), clipping's norm all-reduce (ZeRO-2, ZeRO-3) and, in an untied pipeline, the
-loss all-reduce for every stage but 0, whose flag follows in its own all-reduce (stage 0 or 1, one lane or two).
+pipeline; fp16; a split head), clipping's norm all-reduce (ZeRO-2, ZeRO-3) and its own all-reduce (untied
+pipeline: the NaN on stage 0 or 1, on one lane or two).
 """
 
 from __future__ import annotations
@@ -192,7 +192,6 @@ def _reference(ref, steps: int, clip, skip: int | None = None):
 def _raise_at_step_2(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=2, zero=spec.get("zero", 0), max_grad_norm=spec.get("clip")))
     engine, ref, opt = zero_engine(ctx, world, spec, functools.partial(TinyLM, tied=spec.get("tied", True)))
-    assert engine._flag_early() == spec.get("early", False)  # which route the flag takes (runtime/update.py)
     step = [0]
     _poison(engine, spec, step)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
@@ -212,8 +211,8 @@ def _raise_at_step_2(rank, world, spec):
 
 
 @pytest.mark.parametrize("spec", [
-    # untied 2-stage pipeline: only stage 1 sees the NaN (stage 0's gradients stay finite); on the loss all-reduce
-    {"layers": (1, 1), "tied": False, "early": True, "poison": (1, 0), "at": 2, "param": "blocks.1.fc2.weight",
+    # untied 2-stage pipeline: only stage 1 sees the NaN (stage 0's gradients stay finite); the flag's own all-reduce
+    {"layers": (1, 1), "tied": False, "poison": (1, 0), "at": 2, "param": "blocks.1.fc2.weight",
      "names": r"'blocks\.1\.fc2\.weight' \(stage 1\)"},
     # ZeRO-2 data parallel with clipping: the NaN is reduce-scattered onto one lane's slice only
     {"layers": (2,), "zero": 2, "clip": CLIP, "poison": (0, 1), "at": 2, "param": "blocks.0.fc1.weight",
@@ -242,7 +241,6 @@ def _skip(rank, world, spec):
     ctx = wh.init(wh.Config(num_micro_batch=2, zero=spec.get("zero", 0), max_grad_norm=spec.get("clip"),
                             nonfinite="skip"))
     engine, ref, opt = zero_engine(ctx, world, spec, functools.partial(TinyLM, tied=spec.get("tied", True)))
-    assert engine._flag_early() == spec.get("early", False)  # which route the flag takes (runtime/update.py)
     step = [0]
     _poison(engine, spec, step)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
@@ -277,15 +275,15 @@ def _skip(rank, world, spec):
     # tied 2-stage pipeline: the NaN on stage 0 only; the flag rides on the loss all-reduce
     {"layers": (1, 1), "poison": (0, 0), "at": 1, "param": "blocks.0.fc1.weight",
      "names": "the gradient of 'blocks.0.fc1.weight' (stage 0) holds NaN"},
-    # untied 2-stage pipeline, the NaN on stage 0 only: stage 0 decides alone, its flag reaches stage 1 after
-    {"layers": (1, 1), "tied": False, "early": True, "poison": (0, 0), "at": 1, "param": "blocks.0.fc1.weight",
+    # untied 2-stage pipeline, the NaN on stage 0 only (the last backward of the step): the flag's own all-reduce
+    {"layers": (1, 1), "tied": False, "poison": (0, 0), "at": 1, "param": "blocks.0.fc1.weight",
      "names": "the gradient of 'blocks.0.fc1.weight' (stage 0) holds NaN"},
     # the same on 2 lanes per stage (world 4), the NaN on one lane of stage 0 (before the lanes' reduction) ...
-    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (0, 1), "at": 2,
+    {"layers": (1, 1), "tied": False, "world": 4, "poison": (0, 1), "at": 2,
      "param": "blocks.0.fc2.weight",
      "names": "the gradient of 'blocks.0.fc2.weight' (stage 0) holds NaN"},
-    # ... and on one lane of stage 1: its flag rides on the loss all-reduce that stage 0 reads
-    {"layers": (1, 1), "tied": False, "early": True, "world": 4, "poison": (1, 1), "at": 1,
+    # ... and on one lane of stage 1
+    {"layers": (1, 1), "tied": False, "world": 4, "poison": (1, 1), "at": 1,
      "param": "blocks.1.fc1.weight",
      "names": "the gradient of 'blocks.1.fc1.weight' (stage 1) holds NaN"},
 ], ids=["zero3-clip", "tied-pipeline-stage0-only", "pipeline-stage0-only", "pp2xdp2-stage0-lane1",

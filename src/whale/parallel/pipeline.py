@@ -120,8 +120,9 @@ class StageExecutor:
         loss_fn: ``loss_fn(output, target) -> scalar`` mean over the micro-batch's samples.
         device: where received tensors are put.
         count_loss: whether this rank's loss counts in the reported sum.
-        before_last_backward: called with the loss sum so far right before the last micro-batch's backward
-            (arms gradient sync).
+        before_last_backward: called with the loss sum (final: every forward has run) right before the last
+            backward, before it waits for its output gradients (arms gradient sync; stage 0 of a pipeline starts
+            the loss all-reduce then, in its idle time).
 
     Attributes:
         precision: ``None`` (fp32), or a :class:`whale.runtime.precision.MixedPrecision`: the forward runs under
@@ -269,6 +270,8 @@ class StageExecutor:
         gradients the W pass starts from: :func:`whale.parallel.weight_grad.backward_input`), parameters
         untouched."""
         inputs, pieces, out, outgoing, recv = state.live[key] if split else state.live.pop(key)
+        if last:  # before waiting for its output gradients: stage 0 starts its loss all-reduce while idle
+            self.before_last_backward(result.loss_sum)
         if self.links.last(key[0]):
             tensors, grads = [out if self.precision is None else self.precision.scale_loss(out)], None
         else:  # one gradient per piece sent (autograd sums the pieces of one output)
@@ -276,8 +279,6 @@ class StageExecutor:
             for values, posted in outgoing:
                 grads += posted.grads() if isinstance(posted, _LocalGrads) else p2p.wait_grads(posted)
                 tensors += [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
-        if last:
-            self.before_last_backward(result.loss_sum)
         start = self._clock()
         if split:
             leaves = [v for piece in pieces for v in piece if isinstance(v, torch.Tensor) and v.requires_grad]

@@ -105,6 +105,7 @@ class Engine(GradientUpdate, EngineState):
         self._model = model  # the user's model: its modes (model.eval()) rule, also for traced stage calls
         self._batch_checks = {"step": 3, "eval": 1, "local": 3, "local_eval": 1}  # first calls (see _checked_...)
         self._rows = 0  # this lane's rows in the latest step
+        self._layout_memo: tuple | None = None  # (plan, batch rows, rows, peers): runtime.microbatch._layout
         self._loss_started: Callable[[], list[float]] | None = None  # the step's loss all-reduce, when started early
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.stage, self.lane = plan.coords(ctx.rank)

@@ -10,6 +10,17 @@ from whale.runtime.batch import batch_size, slice_rows
 from whale.runtime.local import local_take
 
 
+def _layout(engine, total: int) -> tuple[list, tuple]:
+    """This stage's rows per lane and micro-batch (the stages differ in width), and this lane's batch-bridge
+    peers: pure functions of the plan and the batch size, so kept while both stay (the plan object changes
+    when its shares do), which saves ~0.2 ms of Python a step."""
+    plan, memo = engine.plan, engine._layout_memo
+    if memo is None or memo[0] is not plan or memo[1] != total:
+        memo = engine._layout_memo = (plan, total, plan.micro_batch_rows(total, engine.stage),
+                                      plan.boundary_peers(total, engine.stage, engine.lane))
+    return memo[2], memo[3]
+
+
 def micro_batches(engine, batch, metrics: dict | None = None, global_batch: int | None = None) -> MicroBatches:
     """This rank's slices of the global ``batch`` per micro-batch, from the plan's rows; with ``global_batch``,
     ``batch`` holds only this lane's rows (:meth:`whale.Engine.step_local`; a token-weighted loss's scales are
@@ -26,8 +37,7 @@ def micro_batches(engine, batch, metrics: dict | None = None, global_batch: int 
     """
     inputs, target = batch if batch is not None else (None, None)
     total = batch_size(batch) if global_batch is None else global_batch
-    rows = engine.plan.micro_batch_rows(total, engine.stage)  # this stage's lanes (the stages differ in width)
-    recv_from, send_to = engine.plan.boundary_peers(total, engine.stage, engine.lane)  # the batch bridge's rows
+    rows, (recv_from, send_to) = _layout(engine, total)
     engine._rows = sum(b - a for a, b in rows[engine.lane])  # this lane's rows this step (for the history)
     engine.split.start_step(engine.plan, rows, engine.lane)
     loss_rows = engine.split.loss_rows(engine.plan, rows, engine.lane)

@@ -17,15 +17,11 @@ Cost per step: that one reduction over this rank's share of the gradients, and o
 collective the step makes anyway: under fp16 the loss all-reduce (which carries the scaler's overflow flag),
 under clipping the norm all-reduce, otherwise the loss all-reduce when it runs after backward. With the loss
 fused into the last gradient bucket (one stage, no split, ZeRO 0/1) no flag is sent: every rank holds the same
-reduced gradients and global loss (a NaN or inf survives the sum), so every rank's own check agrees. A
+reduced gradients and global loss (a NaN or inf survives the sum), so every rank's own check agrees. Only a
 pipeline whose stage 0 starts the loss all-reduce during its last backward (no clipping, not fp16) sends one
-extra 8-byte all-reduce; with no ZeRO and every stage one device wide, stage 0 does not wait for it: the other
-ranks' flags come on the loss all-reduce, stage 0 (whose last backward ends the step) checks all its gradients
-(the same on each of its lanes) and decides at once, and the extra all-reduce takes its flag to the others
-(:meth:`whale.runtime.update.GradientUpdate._apply_early`). When something is found (the rare path), one
-all-gather of a fixed 2 KiB row per rank names the first non-finite tensor: the earliest micro-batch's loss,
-else the gradient nearest the loss in backward order (the latest stage's last parameter: where the NaN/inf
-entered backward). Then, per
+extra 8-byte all-reduce. When something is found (the rare path), one all-gather of a fixed 2 KiB row per rank
+names the first non-finite tensor: the earliest micro-batch's loss, else the gradient nearest the loss in
+backward order (the latest stage's last parameter: where the NaN/inf entered backward). Then, per
 ``Config(nonfinite)``: ``"raise"``: every rank raises :class:`NonFiniteError` before the optimizer step (the
 weights and optimizer state are those before the step); ``"skip"``: every rank skips the optimizer step, the
 gradients are zeroed, rank 0 warns; the step counts in ``engine.steps_done``. The learning-rate scheduler is the

@@ -6,13 +6,12 @@ decides nothing the plan does not say. Order matters for collectives: every rank
 collectives first (``grad_sync.finish``), then the loss all-reduce (which, under fp16, also carries every
 rank's overflow flag), then clipping's norm all-reduce, so every group sees the same order on all its members.
 Before any update every rank checks its losses and gradients for NaN/inf (:mod:`whale.runtime.nonfinite`); the
-flag rides on one of those all-reduces (the rule, the same on every rank, is in :meth:`_apply_gradients`). In a
-plain pipeline (:meth:`_flag_early`) stage 0, whose last backward ends the step, decides without waiting for
-anyone: the other ranks' flags arrive on the loss all-reduce during that backward (:meth:`_apply_early`).
+flag rides on one of those all-reduces (the rule, the same on every rank, is in :meth:`_apply_gradients`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,26 +32,19 @@ class GradientUpdate:
         """Whether pipeline stage 0 starts the loss all-reduce in its last backward (the same on every rank)."""
         return self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None
 
-    def _flag_early(self) -> bool:
-        """Whether stage 0 decides the step's NaN/inf check alone (:meth:`_apply_early`; the same on every rank):
-        :meth:`_loss_early`, no clipping (its norm all-reduce carries the flag), no ZeRO, and every stage one
-        device wide with no split region or expert layer in any stage (read from the plan, never from this rank's
-        stage: every rank takes the same route), so every rank of stage 0 holds the same reduced gradients and
-        checks all of them."""
-        plan = self.plan
-        return (self._loss_early() and not self.ctx.config.max_grad_norm and not plan.zero
-                and all(w == 1 for w in plan.stage_widths) and not plan.moe_layers
-                and not any(plan.split_targets(s) for s in range(plan.num_stages)))
+    @functools.cached_property
+    def _own_params(self) -> list:
+        """This rank's parameters (its stage module's, fixed for the engine's life)."""
+        return list(self.module.parameters())
 
     def _arm(self, loss_sum: float) -> None:
-        """Right before this rank's last backward: arm gradient sync; the loss rides on the last bucket, or on
-        stage 0 of a pipeline (no transfer follows its last backward, and no tied group joins it to another
-        stage) its all-reduce starts now, before every bucket on every rank of its stage, hidden by the
-        backward."""
+        """Right before this rank's last backward (in a pipeline before it waits for its output gradients, every
+        forward done): arm gradient sync; the loss rides on the last bucket, or on stage 0 of a pipeline (no
+        transfer follows its last backward, and no tied group joins it to another stage) its all-reduce starts
+        now, in stage 0's idle time, before every bucket on every rank of its stage."""
         extra = torch.tensor([loss_sum], dtype=torch.float64) if self._fuse_loss() else None
-        if self.stage == 0 and self._loss_early():  # _flag_early: this rank's losses are all computed by now
-            self._loss_started = self._start_sum([loss_sum] + ([self.nonfinite.local([])] if self._flag_early()
-                                                              else []))
+        if self.stage == 0 and self._loss_early():
+            self._loss_started = self._start_sum([loss_sum])
         self.grad_sync.arm(extra)
 
     def _start_sum(self, values: list[float]) -> Callable[[], list[float]]:
@@ -83,11 +75,9 @@ class GradientUpdate:
         Raises:
             NonFiniteError, LossShapeError: on every rank, before the optimizer step.
         """
-        if self._flag_early():
-            return self._apply_early(loss_sum)
         fused, scaler, clip = self._fuse_loss(), self.precision.scaler, self.ctx.config.max_grad_norm
         same = fused and self.plan.zero < 2  # every rank holds the whole reduced gradients and the global loss
-        checked = [] if scaler is not None else list(self.module.parameters()) if same else self._norm_owner
+        checked = [] if scaler is not None else self._own_params if same else self._norm_owner
         flags = [] if scaler is None else [scaler.unscale_([p.grad for p in self._grad_holders()
                                                             if p.grad is not None])]
         flags.append(self.nonfinite.local(checked, float(self.grad_sync.extra[0]) if same else None))
@@ -103,59 +93,37 @@ class GradientUpdate:
         elif not same:
             flags[-1:] = self._global_sum(flags[-1:])
         skipped = flags[-1] > 0
-        if skipped:  # the rare path: every rank names the first non-finite tensor, then raises or skips
+        if skipped:
             if not (ride or fused):
                 loss = total()[0]  # no collective left pending
-            try:
-                self.nonfinite.act(checked, self.steps_done)
-            finally:
-                self._zero_grad()  # also when raising: the next step starts clean
+            self._act(checked)
         if scaler is not None:
             skipped = skipped or flags[0] > 0
             scaler.update(flags[0] > 0)
         if clip and not skipped:
             norm = self._clip(norm if norm is not None else self._global_norm()[0])
-        if not skipped:
-            (self.offload.step if self.offload is not None else self.optimizer.step)()  # offload: on the host
-            if self.zero is not None:
-                self.zero.gather()  # every lane's updated slices to every lane
-        self._zero_grad()
+        self._step_unless(skipped)
         if loss is None:
             (loss,) = [float(self.grad_sync.extra[0])] if fused else total()
         return loss, norm, skipped
 
-    def _apply_early(self, loss_sum: float) -> tuple[float, None, bool]:
-        """:meth:`_apply_gradients` of a plain pipeline (:meth:`_flag_early`), with no round trip after stage 0's
-        last backward, which ends the step. Every other rank joins the loss all-reduce after its own last backward
-        with its NaN/inf flag on it (stage 0 started it before that backward, with its losses' flag), so the sum
-        has arrived when stage 0's backward ends: stage 0 adds its gradients' flag and decides. Its flag follows
-        to the others in a second all-reduce that stage 0 starts and waits for only after its optimizer step (the
-        others wait, while stage 0 steps and starts the next forward). Every rank sums the same flags: the same
-        decision, before any optimizer step."""
-        if self.stage == 0:
-            checked = list(self.module.parameters())  # the same reduced gradients on every lane of stage 0
-            own = self.nonfinite.local(checked)
-            started = self._loss_started or self._start_sum([loss_sum, self.nonfinite.local([])])
-            loss, others = started()
-            self._loss_started = None
-            told = self._start_sum([own])
-            skipped = own + others > 0
-        else:
-            checked = self._norm_owner
-            loss, _ = found = self._start_sum([loss_sum, self.nonfinite.local(checked)])()
-            told = self._start_sum([0.0])
-            skipped = found[1] + told()[0] > 0
-        if skipped:  # the rare path, as in _apply_gradients
-            told()
-            try:
-                self.nonfinite.act(checked, self.steps_done)
-            finally:
-                self._zero_grad()
-        else:
+    def _act(self, checked: list) -> None:
+        """The rare path, on every rank alike: name the first non-finite tensor over the world, then raise or
+        skip (:meth:`whale.runtime.nonfinite.NonFiniteGuard.act`); the gradients are zeroed either way (also when
+        raising: the next step starts clean)."""
+        try:
+            self.nonfinite.act(checked, self.steps_done)
+        finally:
+            self._zero_grad()
+
+    def _step_unless(self, skipped: bool) -> None:
+        """The optimizer step (under offload on the host; under ZeRO every lane's updated slices then gathered
+        to every lane) unless ``skipped``, then the gradients zeroed."""
+        if not skipped:
             (self.offload.step if self.offload is not None else self.optimizer.step)()
+            if self.zero is not None:
+                self.zero.gather()
         self._zero_grad()
-        told()
-        return loss, None, skipped
 
     def _grad_holders(self) -> list:
         """The tensors whose ``.grad`` unscaling and clipping scale: this rank's parameters, and under ZeRO-2
