@@ -6,7 +6,8 @@ parameters), on the standard map (0, 1, 0, 1) and on the given map (0, 1, 0, 0) 
 3, so two of its chunks hand values to each other locally). Each chunk's BatchNorm sees the micro-batches in
 order (``F0 .. F3`` per chunk in every schedule), so its running statistics after every step, the parameters
 and the losses equal a one-process ``deepcopy`` accumulating gradients over the same 4 micro-batches (AdamW
-lr 1e-3, fp32, rtol 1e-5 / atol 1e-6 as in :mod:`tests.test_buffers_rng`); eval uses the running statistics.
+lr 1e-3, fp32, rtol 1e-5 / atol 1e-6, and the reference step of :mod:`tests.test_buffers_rng`); eval uses the
+running statistics.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 import whale as wh
 from tests.distributed import run_ranks
+from tests.test_buffers_rng import _ref_step
 
 RTOL, ATOL, STEPS, MB, BATCH = 1e-5, 1e-6, 3, 4, 16
 MAPS = {"standard": (0, 1, 0, 1), "given": (0, 1, 0, 0)}
@@ -49,18 +51,6 @@ def _batches(steps: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor
             for _ in range(steps)]
 
 
-def _ref_step(ref, opt, x, y) -> float:
-    """One process: gradient accumulation over ``MB`` equal micro-batches, each loss weighted rows / batch."""
-    opt.zero_grad()
-    total = 0.0
-    for xc, yc in zip(x.chunk(MB), y.chunk(MB), strict=True):
-        loss = F.cross_entropy(ref(xc), yc) * (len(yc) / len(y))
-        loss.backward()
-        total += loss.item()
-    opt.step()
-    return total
-
-
 def _compare(rank, world, where):
     config = wh.Config(num_micro_batch=MB, schedule="Interleaved1F1B", virtual_stages=2, seed=0)
     ctx = wh.init(config)
@@ -72,7 +62,7 @@ def _compare(rank, world, where):
     losses, ref_losses = [], []
     for step, (x, y) in enumerate(_batches(STEPS)):
         losses.append(engine.step((x, y))["loss"])
-        ref_losses.append(_ref_step(ref, ref_opt, x, y))
+        ref_losses.append(_ref_step(ref, ref_opt, x, y, MB))
         full = engine.full_state_dict()  # the whole model on rank 0
         for name, value in (ref.state_dict().items() if rank == 0 else ()):  # parameters and running statistics
             torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL,
