@@ -24,7 +24,12 @@ def _random(rng: random.Random, memory: bool) -> VirtualProblem:
     counts = [rng.randint(1, p), 0]
     counts[1] = p - counts[0] + rng.randint(0, 1)
     fwd, bwd = ([[k * f / 3 / s for s in speeds] for f in flops] for k in (1, 2))
-    return VirtualProblem(fwd, bwd, static, act, counts, cap, p, v, p * rng.choice([1, 2]))
+    extra = {}
+    if rng.random() < 0.5:  # backward temporaries, boundary buffers and a weight tied to the first unit
+        extra = {"unit_temp": [rng.uniform(0.0, 2.0) for _ in range(n)],
+                 "unit_out": [rng.uniform(0.0, 0.5) for _ in range(n)],
+                 "unit_tied": [[]] * (n - 1) + [[(0, rng.uniform(0.0, 2.0))]]}
+    return VirtualProblem(fwd, bwd, static, act, counts, cap, p, v, p * rng.choice([1, 2]), **extra)
 
 
 def _against_brute_force(pb: VirtualProblem):
@@ -123,3 +128,16 @@ def test_past_the_search_budget_a_cut_is_still_found_and_marked_not_exact():
     vary = dataclasses.replace(pb, vary_counts=True)  # the chunk counts' phase has a budget of its own
     cut = plan_virtual_stages(vary, budget=5)
     assert not cut.exact and sum(cut.chunks_per_position) == 4 and cut.step >= brute_force(vary)
+
+
+def test_position_bytes_count_temporaries_boundaries_and_tied_copies():
+    """Two units, one per position (p = 2, v = 1, m = 2): position 0 holds 2 micro-batches in flight, position 1
+    one; each adds its unit's backward temporaries and three buffers of the boundary between them, and position
+    1 its own copy of the weight its unit shares with unit 0."""
+    pb = VirtualProblem([[1.0]] * 2, [[2.0]] * 2, [10.0, 20.0], [1.0, 1.0], [2], [1e9], 2, 1, 2,
+                        unit_temp=[2.0, 4.0], unit_out=[1.0, 0.0], unit_tied=[[], [(0, 5.0)]])
+    cut = plan_virtual_stages(pb)
+    assert cut.peak_bytes == (10.0 + 2 * 1.0 + 2.0 + 3 * 1.0, 20.0 + 1.0 + 4.0 + 3 * 1.0 + 5.0)
+    with pytest.raises(ValueError, match="unit_tied"):
+        VirtualProblem([[1.0]] * 2, [[2.0]] * 2, [10.0, 20.0], [1.0, 1.0], [2], [1e9], 2, 1, 2,
+                       unit_tied=[[(0, 1.0)], []]).check()

@@ -65,6 +65,27 @@ def _backward_peak(work: list, kept: list[float], last_stage: bool, relief: dict
     return peak
 
 
+def unit_backward_temporaries(prof: ModelProfile, model: nn.Module) -> list[float]:
+    """Per profiled unit, bytes per sample its backward holds beyond the activations kept (what
+    :func:`_backward_peak` adds to them when the unit runs backward: the gradient of its output and its own
+    temporaries, less the gradients of weights tied to another unit); the loss (``prof.rest``) is folded into
+    the last unit, whose output's gradient it makes. For planners that cut chunks at any unit
+    (:mod:`whale.frontend.hwvirtual`): a chunk's backward holds its worst unit's."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    owners: dict[int, set[str]] = {}
+    for u in prof.units:
+        for n, t in tensors.items():
+            if n.startswith(u.name + "."):
+                owners.setdefault(id(t), set()).add(u.name)
+    relief = _tied_relief(prof, tensors, {k for k, us in owners.items() if len(us) > 1})
+    out = [max(0.0, u.transient_bytes - u.entry_bytes - relief.get(u.name, 0.0)) + u.output_bytes
+           for u in prof.units]
+    if out:
+        rest = prof.rest
+        out[-1] = max(out[-1], max(0.0, rest.transient_bytes - rest.entry_bytes))
+    return out
+
+
 def _tied_relief(prof: ModelProfile, tensors: dict, tied: set[int]) -> dict[str, float]:
     """Per unit, bytes per sample of the gradients of cross-stage tied weights (ids ``tied``) that it reads but
     an earlier unit owns (the LM head of a tied embedding). In the one-process profile that gradient waits in

@@ -14,7 +14,10 @@ times: the event simulation of the schedule (:func:`whale.plan.schedule_sim.simu
 schedule's timing), so the bubble, the warm-up and which chunk waits for which all count, not only the slowest
 position. Position s needs, on every device of its group, the static bytes of its chunks plus the largest sum
 of activation bytes its own action order holds at once (:func:`whale.plan.schedule.max_in_flight` with
-per-chunk sizes), at most the smallest capacity among the group's types.
+per-chunk sizes), plus the backward's temporaries of its worst unit (one unit runs backward at a time: the
+gradient of its output and its own temporaries, as :mod:`whale.frontend.memplan` counts a stage's), plus three
+point-to-point buffers per boundary with a chunk on another position (:class:`whale.planner.memory_types.
+StageMemory`'s ``p2p_bytes``), at most the smallest capacity among the group's types.
 
 A fast device gets more layers: its chunks are larger, and (``vary_counts``) it may hold more of them, which
 fills its share of the bubble with more, smaller pieces of work.
@@ -35,6 +38,7 @@ against enumerating every cut, count vector and group sequence (tests/test_virtu
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -56,7 +60,8 @@ class VirtualCut:
         counts: units per chunk, ``p * v`` entries; chunk c runs on position ``c % p``.
         groups: per position, devices of each type it runs on (``groups[s][t]``; sums to the width).
         step: predicted step seconds of the schedule (forward and backward of every micro-batch).
-        peak_bytes: per position, the bytes one of its devices needs (static + activations held at once).
+        peak_bytes: per position, the bytes one of its devices needs (static + activations held at once + the
+            worst unit's backward temporaries + point-to-point buffers).
         exact: False when the search stopped at its budget (:data:`SEARCH_BUDGET`): the best cut found, not
             proven optimal.
         positions: model chunk -> position (``p * v`` entries; round-robin ``c % p`` unless the problem lets the
@@ -92,6 +97,13 @@ class VirtualProblem:
             device of each type.
         unit_bytes: static bytes of each unit (parameters, gradients, optimizer state, buffers).
         unit_act: activation bytes each unit keeps per micro-batch until its backward.
+        unit_temp: bytes each unit's backward holds beyond the activations kept (the gradient of its output and
+            its own temporaries) for one micro-batch; empty: none.
+        unit_out: bytes of each unit's output for one micro-batch (a chunk ending there sends that many); empty:
+            none.
+        unit_tied: per unit, ``(owner unit, static bytes)`` of each weight it shares with an earlier unit (a
+            tied LM head's embedding: ``unit_bytes`` counts it in the owner only); a position holding the unit
+            but not its owner keeps its own copy. Empty: none.
         type_counts: devices of each type (types listed by memory, largest first: ties keep the memory order).
         type_capacity: bytes one device of each type may use.
         positions: pipeline positions p (>= 2); virtual: chunks per position v (>= 1); micro_batches: m (a
@@ -110,22 +122,30 @@ class VirtualProblem:
     micro_batches: int
     width: int = 1
     vary_counts: bool = False
+    unit_temp: Sequence[float] = ()
+    unit_out: Sequence[float] = ()
+    unit_tied: Sequence[Sequence[tuple[int, float]]] = ()
 
     def check(self) -> None:
         """Raises ValueError naming the first inconsistent field (lengths, counts, negative or non-finite)."""
         n, T, p = len(self.unit_fwd), len(self.type_counts), self.positions
         if any(len(x) != n for x in (self.unit_bwd, self.unit_bytes, self.unit_act)) or \
+                any(len(x) not in (0, n) for x in (self.unit_temp, self.unit_out, self.unit_tied)) or \
                 any(len(r) != T for r in (*self.unit_fwd, *self.unit_bwd)) or len(self.type_capacity) != T:
             raise ValueError(f"unit_fwd/unit_bwd ([unit][type], {T} types), unit_bytes and unit_act need one entry "
-                             f"per unit ({n}); type_capacity one per type")
+                             f"per unit ({n}), unit_temp, unit_out and unit_tied one per unit or none; type_capacity "
+                             "one per type")
+        if any(not 0 <= o < u or not (b >= 0 and math.isfinite(b)) for u, ts in enumerate(self.unit_tied)
+               for o, b in ts):
+            raise ValueError("unit_tied needs (owner, bytes) pairs with an earlier owner unit and finite bytes >= 0")
         if p < 2 or self.virtual < 1 or n < p * self.virtual:
             raise ValueError(f"cannot cut {n} units into {p} positions x {self.virtual} chunks; need p >= 2, v >= 1 "
                              f"and at least p * v = {p * self.virtual} units")
         if self.width < 1 or sum(self.type_counts) < p * self.width or min(self.type_counts) < 0:
             raise ValueError(f"{p} positions of {self.width} devices need {p * self.width} devices, the types have "
                              f"{list(self.type_counts)}")
-        values = [x for r in (*self.unit_fwd, *self.unit_bwd) for x in r] + [*self.unit_bytes, *self.unit_act,
-                                                                              *self.type_capacity]
+        values = [x for r in (*self.unit_fwd, *self.unit_bwd) for x in r] + [
+            *self.unit_bytes, *self.unit_act, *self.unit_temp, *self.unit_out, *self.type_capacity]
         if any(not (x >= 0 and math.isfinite(x)) for x in values):
             raise ValueError("unit costs, bytes and capacities must be finite numbers >= 0")
 
@@ -144,6 +164,9 @@ class _Evaluator:
         self.cap = [min(pb.type_capacity[t] for t in ts) for ts in self.types]
         self.pre = {name: _prefix(rows) for name, rows in (("f", pb.unit_fwd), ("b", pb.unit_bwd))}
         self.bytes, self.act = _prefix1(pb.unit_bytes), _prefix1(pb.unit_act)
+        n = len(pb.unit_act)
+        self.temp, self.out = list(pb.unit_temp) or [0.0] * n, list(pb.unit_out) or [0.0] * n
+        self.tied = list(pb.unit_tied) or [()] * n
 
     def _time(self, kind: str, s: int, i: int, j: int) -> float:
         pre = self.pre[kind]
@@ -151,14 +174,21 @@ class _Evaluator:
 
     def memory(self, ends: Sequence[int]) -> list[float]:
         """Bytes per position for chunks ending at ``ends`` (chunk c = units ends[c-1]..ends[c]-1)."""
-        starts = [0, *ends[:-1]]
+        starts, last, pos = [0, *ends[:-1]], len(self.positions) - 1, self.positions
         sizes = [[0.0] * k for k in self.counts]
-        static = [0.0] * len(self.counts)
+        static, worst = [0.0] * len(self.counts), [0.0] * len(self.counts)
         for c, (i, j) in enumerate(zip(starts, ends, strict=True)):
-            s = self.positions[c]
+            s = pos[c]
             sizes[s][self.local[c]] = self.act[j] - self.act[i]
-            static[s] += self.bytes[j] - self.bytes[i]
-        return [static[s] + max_in_flight(self.schedule[s], sizes[s]) for s in range(len(self.counts))]
+            sent = self.out[j - 1] if c < last and pos[c + 1] != s else 0.0  # to / from another position
+            got = self.out[i - 1] if c > 0 and pos[c - 1] != s else 0.0
+            static[s] += self.bytes[j] - self.bytes[i] + 3 * (sent + got)
+            worst[s] = max(worst[s], *self.temp[i:j])
+        copies = {(pos[bisect.bisect_right(ends, u)], o, b) for u in range(ends[-1] if ends else 0)
+                  for o, b in self.tied[u] if pos[bisect.bisect_right(ends, o)] != pos[bisect.bisect_right(ends, u)]}
+        for s, _, b in copies:  # a weight tied to a unit on another position: this position's own copy
+            static[s] += b
+        return [static[s] + max_in_flight(self.schedule[s], sizes[s]) + worst[s] for s in range(len(self.counts))]
 
     def fits(self, ends: Sequence[int]) -> bool:
         """Every position within its group's smallest capacity."""
