@@ -19,7 +19,30 @@ from whale.frontend.planning import plan_model
 from whale.plan.plan import OFFLOADS
 from whale.plan.schedule import RUNNABLE_SCHEDULES, format_schedule
 from whale.plan.schedule_chunks import schedule_for
-from whale.planner.desc_cli import add_desc_args, run_desc
+from whale.planner.desc_cli import add_desc_args, check_virtual_flags, desc_only_flags, run_desc
+
+SCHEDULE_ALIASES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb": "ZB-H1"}
+"""The GPT job's ``--schedule`` names (``examples/gpt/pipeline_flags.py``) -> Whale's schedule names; ``--schedule``
+takes these and the names of :data:`RUNNABLE_SCHEDULES`, in any case."""
+_SCHEDULES = {**{s.lower(): s for s in RUNNABLE_SCHEDULES}, **SCHEDULE_ALIASES}
+
+
+def schedule_name(text: str) -> str:
+    """``--schedule``'s value as a :data:`RUNNABLE_SCHEDULES` name (:data:`SCHEDULE_ALIASES`, any case)."""
+    name = _SCHEDULES.get(text.lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown schedule {text!r}; choose one of {', '.join(RUNNABLE_SCHEDULES)} "
+                                         "or gpipe, 1f1b, interleaved, zb (any case)")
+    return name
+
+
+def input_error(ns: argparse.Namespace) -> str | None:
+    """The one-line error when ``ns`` names no model or two (``--model`` and ``--model-desc``), else ``None``."""
+    if ns.model and ns.model_desc:
+        return f"give --model {ns.model} or --model-desc {ns.model_desc}, not both"
+    if not ns.model and not ns.model_desc:
+        return "give --model MODULE:FACTORY or --model-desc gpt:..."
+    return None
 
 
 def _value(text: str):
@@ -93,7 +116,24 @@ def load_factory(spec: str):
         raise SystemExit(f"whale plan: cannot load {spec!r}: {exc}") from None
 
 
+def check_flags(ns: argparse.Namespace) -> None:
+    """Refuse what a ``--model`` run would otherwise ignore or change: described-model flags and a bad
+    ``--virtual-stages``.
+
+    Raises:
+        ValueError: one line naming the flags or the value, and the fix.
+    """
+    given = desc_only_flags(ns)
+    if given:
+        raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --model-desc only (a "
+                         f"described model); --model {ns.model} plans the model's own wh.stage / wh.split scopes "
+                         "(--auto searches stages and data parallelism): drop "
+                         f"{'it' if len(given) == 1 else 'them'} or describe the model with --model-desc gpt:...")
+    check_virtual_flags(ns)
+
+
 def _make_plan(ns: argparse.Namespace):
+    check_flags(ns)
     pairs = [kv.split("=", 1) for kv in ns.args]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"--args takes KEY=VALUE pairs, got {ns.args}")
@@ -101,8 +141,13 @@ def _make_plan(ns: argparse.Namespace):
     made = factory(**factory_kwargs(factory, pairs, ns.model))
     model, sample, loss = (tuple(made) + (None, None))[:3] if isinstance(made, tuple) else (made, None, None)
     forbid = FORBIDDEN if ns.forbid == "all" else tuple(f for f in ns.forbid.split(",") if f)
-    config = Config(num_micro_batch=ns.micro_batches, schedule=ns.schedule or "1F1B", cluster=ns.cluster,
-                    virtual_stages=getattr(ns, "virtual_stages", None) or 1, hardware_aware=not ns.no_hardware_aware,
+    schedule, v = ns.schedule, ns.virtual_stages  # as given, checked by check_flags
+    if schedule is None:
+        schedule = "Interleaved1F1B" if v is not None and v > 1 else "1F1B"
+    if v is None:
+        v = 2 if schedule == "Interleaved1F1B" else 1  # 2 chunks per stage, as the GPT job's default
+    config = Config(num_micro_batch=ns.micro_batches, schedule=schedule, cluster=ns.cluster,
+                    virtual_stages=v, hardware_aware=not ns.no_hardware_aware,
                     precision=ns.precision, offload=ns.offload, zero=ns.zero, forbid=forbid, auto=ns.auto)
     return plan_model(model, ns.world, config, sample_batch=sample, loss_fn=loss)
 
@@ -117,8 +162,10 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--cluster", help="cluster spec YAML (makes the plan hardware-aware)")
     p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--schedule", choices=RUNNABLE_SCHEDULES,
-                   help="pipeline schedule (default 1F1B; with --model-desc: searched among 1F1B, ZB-H1, interleaved)")
+    p.add_argument("--schedule", type=schedule_name, metavar="{GPipe,1F1B,Interleaved1F1B,ZB-H1}",
+                   help="pipeline schedule, also as the GPT job names them: gpipe, 1f1b, interleaved, zb (any case; "
+                        "default 1F1B, Interleaved1F1B with --virtual-stages >= 2; with --model-desc: searched "
+                        "among 1F1B, ZB-H1, interleaved)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="autocast dtype of the forward (fp16: with dynamic loss scaling)")
     p.add_argument("--offload", default="none", choices=OFFLOADS,
@@ -141,11 +188,12 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
 
 def run_plan(ns: argparse.Namespace) -> int:
     """Build the model, plan it, print it; a bad input prints one line and returns 2."""
+    error = input_error(ns)
+    if error:
+        print(f"whale plan: error: {error}", file=sys.stderr)
+        return 2
     if ns.model_desc:
         return run_desc(ns)
-    if not ns.model:
-        print("whale plan: error: give --model MODULE:FACTORY or --model-desc gpt:...", file=sys.stderr)
-        return 2
     try:
         plan = _make_plan(ns)
     except (ValueError, TypeError) as exc:

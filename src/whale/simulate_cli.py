@@ -21,7 +21,7 @@ import sys
 
 from whale.frontend.hwplan import sample_rows
 from whale.frontend.planning import resolve_cluster
-from whale.plan_cli import _make_plan, _value, add_plan, load_factory
+from whale.plan_cli import _make_plan, _value, add_plan, input_error, load_factory
 from whale.planner.desc_cli import run_desc
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "sync": "#55a868", "optim": "#8172b3"}
@@ -145,11 +145,12 @@ def run_simulate(ns: argparse.Namespace) -> int:
     # CLI start-up: whale.calibration loads whale.runtime, which `whale plan` (same CLI module tree) must not load
     from whale.calibration.predict import predict_model
 
+    error = input_error(ns)
+    if error:
+        print(f"whale simulate: error: {error}", file=sys.stderr)
+        return 2
     if ns.model_desc:  # a described model: the step-time model alone, no per-unit timing run
         return run_desc(ns, simulate=True)
-    if not ns.model:
-        print("whale simulate: error: give --model MODULE:FACTORY or --model-desc gpt:...", file=sys.stderr)
-        return 2
     try:
         plan = _make_plan(ns)
         pairs = [kv.split("=", 1) for kv in ns.args]

@@ -22,6 +22,14 @@ DEFAULT_GEMM_EFFICIENCY = 0.58
 ``benchmarks/published.py`` fits on Megatron-LM's 1.7B row (0.5834); for other device types a starting
 point, not a calibration."""
 
+DESC_DEFAULTS = {"device": "A100-80GB", "gpus_per_node": 8, "intra_bandwidth": 300e9, "inter_bandwidth": 25e9,
+                 "gemm_efficiency": DEFAULT_GEMM_EFFICIENCY}
+"""The described-model flags' defaults, filled in by :func:`describe_run` (the parser leaves them ``None`` so
+that :func:`desc_only_flags` sees which were given)."""
+DESC_ONLY = ("batch", "dp", "pp", "split", "sequence_parallel", "recompute", "cross_nodes", *DESC_DEFAULTS)
+"""The described-model flags that a ``--model`` run has no use for (its stages and split come from the model's
+own scopes)."""
+
 
 def add_desc_args(p: argparse.ArgumentParser) -> None:
     """The described-model arguments of ``whale plan`` and ``whale simulate``."""
@@ -33,16 +41,44 @@ def add_desc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, help="force the pipeline stage count")
     g.add_argument("--split", type=int, help="force the split (tensor-parallel) degree")
     g.add_argument("--virtual-stages", type=int, help="force interleaved 1F1B with this many chunks per device "
-                   "(predicted; split stages interleaved as Megatron-LM does; with --model and --schedule "
-                   "Interleaved1F1B: the model's stage scopes per device)")
+                   "(>= 2; 1: no interleaving; predicted; split stages interleaved as Megatron-LM does; with "
+                   "--model: the model's stage scopes per device, default 2 under --schedule interleaved)")
     g.add_argument("--sequence-parallel", choices=["on", "off"], help="force sequence parallelism (default: searched)")
     g.add_argument("--recompute", action="store_true", help="force full activation recomputation")
     g.add_argument("--cross-nodes", action="store_true", help="allow split groups across nodes")
-    g.add_argument("--device", default="A100-80GB", help="catalog device type without --cluster")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--intra-bandwidth", type=float, default=300e9, help="bytes/s per GPU each way in a node")
-    g.add_argument("--inter-bandwidth", type=float, default=25e9, help="bytes/s per GPU each way between nodes")
-    g.add_argument("--gemm-efficiency", type=float, default=DEFAULT_GEMM_EFFICIENCY)
+    g.add_argument("--device", help="catalog device type without --cluster (default A100-80GB)")
+    g.add_argument("--gpus-per-node", type=int, help="devices per node without --cluster (default 8)")
+    g.add_argument("--intra-bandwidth", type=float, help="bytes/s per GPU each way in a node (default 300e9)")
+    g.add_argument("--inter-bandwidth", type=float, help="bytes/s per GPU each way between nodes (default 25e9)")
+    g.add_argument("--gemm-efficiency", type=float,
+                   help=f"roofline GEMM efficiency (default {DEFAULT_GEMM_EFFICIENCY})")
+
+
+def desc_only_flags(ns: argparse.Namespace) -> list[str]:
+    """The flags of the described-model group given on ``ns`` that only a ``--model-desc`` run reads (all but
+    ``--model-desc`` and ``--virtual-stages``), as ``--flag``: a ``--model`` run refuses them instead of
+    ignoring them."""
+    return [f"--{k.replace('_', '-')}" for k in DESC_ONLY if getattr(ns, k, None) not in (None, False)]
+
+
+def check_virtual_flags(ns: argparse.Namespace) -> None:
+    """``--virtual-stages`` against ``--schedule`` (the value given, before any default fills it in).
+
+    Raises:
+        ValueError: one line naming the value, the limit (>= 2 chunks per stage under interleaved) and the fix.
+    """
+    v, sched = ns.virtual_stages, getattr(ns, "schedule", None)
+    if v is None:
+        return
+    if v < 1:
+        raise ValueError(f"--virtual-stages {v}: interleaved 1F1B needs >= 2 chunks per stage (1: not "
+                         "interleaved); use --virtual-stages 2 or more, or leave it out")
+    if v == 1 and sched == "Interleaved1F1B":
+        raise ValueError("--virtual-stages 1 with --schedule Interleaved1F1B: interleaved needs >= 2 chunks per "
+                         "stage; use --virtual-stages 2 or more, or --schedule 1F1B")
+    if v > 1 and sched not in (None, "Interleaved1F1B"):
+        raise ValueError(f"--virtual-stages {v} needs --schedule Interleaved1F1B (or interleaved), got --schedule "
+                         f"{sched}; use --schedule interleaved or drop --virtual-stages")
 
 
 def load_shape(text: str):
@@ -91,6 +127,11 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
     from whale.planner.transformer_estimate import TransformerEstimator
     from whale.planner.transformer_search import transformer_search
 
+    check_virtual_flags(ns)
+    ns = argparse.Namespace(**vars(ns))
+    for k, default in DESC_DEFAULTS.items():
+        if getattr(ns, k, None) is None:
+            setattr(ns, k, default)
     shape, pool = load_shape(ns.model_desc), _pool(ns)
     if ns.split:
         check_split(shape, ns.split, pool.devices_per_node, ns.cross_nodes)
@@ -101,8 +142,8 @@ def describe_run(ns: argparse.Namespace, simulate: bool) -> dict:
     v, sched = ns.virtual_stages, getattr(ns, "schedule", None)  # whale plan's --schedule (None: searched)
     if v is not None and v > 1:
         sched = sched or "Interleaved1F1B"
-        if ns.pp and micro:
-            check_virtual(shape.layers, ns.pp, v, micro)
+        if ns.pp:  # forced stages x chunks checked up front (micro-batches too when forced, else searched)
+            check_virtual(shape.layers, ns.pp, v, micro or ns.pp)
     forbid = ("zero3", "offload", "offload_params")
     cons = Constraints(stages=ns.pp, split=ns.split, data_parallel=ns.dp, num_micro_batch=micro, schedule=sched,
                        floor=MemoryOptions(activation_checkpoint=ns.recompute), forbid=forbid, stage_order="memory")

@@ -54,6 +54,9 @@ def virtual_blockers(layers: int, stages: int, virtual: int, micro_batches: int)
     out = []
     if stages < 2 or virtual < 2:
         out.append(f"needs >= 2 stages and >= 2 chunks (got {stages} and {virtual})")
+    elif stages * virtual > layers:
+        out.append(f"{stages} stages x {virtual} chunks = {stages * virtual} chunks > layers={layers} (each chunk "
+                   "holds >= 1 layer)")
     elif layers % (stages * virtual):
         out.append(f"layers={layers} is not a multiple of stages x virtual = {stages * virtual}")
     if stages >= 1 and micro_batches % stages:
