@@ -69,7 +69,8 @@ def test_one_traceback_then_one_line_per_rank(ranks, tmp_path):
 
 def test_config_errors_print_the_line_alone_and_peers_name_the_first_rank(ranks):
     """No processes. ``traceback=False`` (the GPT job's configuration errors): the line on every rank, the first
-    still recorded; a rank stopped by a peer's failure names the rank that failed first."""
+    still recorded; a rank stopped by a peer's failure names the rank that failed first and says that its error
+    is one line (it printed no traceback to point to)."""
     exc = _raise(ValueError("--stages 3 does not divide the world size 4\nmore detail"))
     for r in (1, 0):
         want = f"error: [rank {r}] ValueError: --stages 3 does not divide the world size 4 [...]\n"
@@ -77,8 +78,8 @@ def test_config_errors_print_the_line_alone_and_peers_name_the_first_rank(ranks)
     peer = ranks(_raise(dist.DistBackendError("[../gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5123. "
                                               "More")), 3)
     assert re.fullmatch(r"error: \[rank 3\] stopped (at step \d+, .* )?because rank 1 failed first with ValueError "
-                        r"\(Connection closed by peer \[127.0.0.1\]:5123\); its error is printed once, as its own "
-                        r"traceback\n", peer), peer
+                        r"\(Connection closed by peer \[127.0.0.1\]:5123\); its error is printed by that rank, in one "
+                        r"line\n", peer), peer
 
 
 def test_ctrl_c_is_one_line_for_the_job(ranks):
