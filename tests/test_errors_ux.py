@@ -143,6 +143,21 @@ def test_whale_launch_prints_one_traceback_for_an_error_on_every_rank(tmp_path):
     assert first and re.search(rf"^error: \[rank {first.group(1)}\] ValueError: [^(]*$", log, re.M), log
 
 
+@pytest.mark.slow
+def test_a_bad_flag_is_one_line_per_rank_and_the_launcher_names_it(tmp_path):
+    """``whale launch -n 2 examples/gpt/train.py --schedule interleave``: no usage block, one ``error:`` line per
+    rank that got to print it (torchrun stops the other when the first exits) pointing to --help, and the launcher
+    names the rank and its ConfigError instead of saying it ended without reporting an error; exit code 2."""
+    (rc, log), = _run_launchers([["-n", "2", str(ROOT / "examples/gpt/train.py"), "--schedule", "interleave"]],
+                                tmp_path)
+    assert rc == 2 and "usage:" not in log, log
+    said = re.findall(r"^error: \[rank (\d)\] ConfigError: argument --schedule: unknown schedule 'interleave'; "
+                      r"choose gpipe, 1f1b, interleaved or zb \(see train.py --help\)$", log, re.M)
+    first = re.search(r"train.py FAILED: rank (\d) failed first \(exit code 2\) with ConfigError; its error is "
+                      r"printed above", log)
+    assert first and first.group(1) in said and len(said) == len(set(said)), log
+
+
 # ----------------------------------------------------------------------------------- launcher: cluster size
 
 

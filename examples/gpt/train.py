@@ -33,6 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 import whale as wh  # noqa: E402
+from examples.cli import Parser  # noqa: E402
 from examples.gpt.adaptive import Adaptive, add_adaptive_args, ckpt_every  # noqa: E402
 from examples.gpt.data import (  # noqa: E402
     DEFAULT_DATA_DIR,
@@ -69,7 +70,7 @@ from whale.runtime import elastic, graceful  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit ``make train`` (4 CPU processes, 2 cores) in a few minutes."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     a = p.add_argument
     one, zero = at_least(1), at_least(0)
     a("--steps", type=one, default=600, help="optimizer steps in total (a resumed run continues to it)")
