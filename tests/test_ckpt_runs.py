@@ -316,3 +316,38 @@ def test_the_gpt_job_refuses_another_run_overwrites_it_and_a_finished_restart_su
     assert nothing[0] == 0 and f"--resume: no checkpoint in {empty} yet: starting a new run at step 0" in nothing[1]
     assert step_dir[0] == 2 and re.search(rf"is one checkpoint \(a step-N directory\): saving there would nest new "
                                           rf"checkpoints inside it; pass its parent '{re.escape(ck)}'", step_dir[1])
+
+
+def _gpt_jobs_forward_checks(rank, world, store, data, *runs):
+    """:func:`_gpt_jobs` without the job's own check of ``--seq-len`` under ``--sequence-parallel``: the bad length
+    is then refused where the library cuts the sequences, in the job's first forward."""
+    from examples.gpt import train
+
+    train.check_split_args = lambda args, world_size: None
+    return _gpt_jobs(rank, world, store, data, *runs)
+
+
+def test_overwrite_with_a_refused_configuration_keeps_the_old_run(tmp_path):
+    """World 2, tiny GPT jobs: a run leaves step 2; a second run with --overwrite and --sequence-parallel over 2
+    devices with an odd --seq-len fails (exit 2, one line per rank) before removing anything, whether the job's
+    flag check refuses it or, without that check, the first forward does: the old checkpoint is still there."""
+    texts = tmp_path / "data" / "texts"
+    texts.mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "data" / "tempest_gut.txt", texts)
+    (texts / ".complete").touch()
+    ck = tmp_path / "ck"
+    common = ["--ckpt-dir", str(ck), "--summary", str(tmp_path / "s.json"), "--n-layer", "2"]
+    bad = [*common, "--steps", "1", "--overwrite", "--sequence-parallel", "--seq-len", "15"]
+    data = str(tmp_path / "data")
+    first, refused = zip(*run_ranks(_gpt_jobs, 2, str(tmp_path / "a"), data, ({}, [*common, "--steps", "2"]),
+                                    ({}, bad), timeout=120), strict=True)
+    forward = [r[0] for r in run_ranks(_gpt_jobs_forward_checks, 2, str(tmp_path / "b"), data, ({}, bad), timeout=120)]
+    assert [c for c, _ in first] == [0, 0] and "summary written to" in first[0][1]
+    for rank, ((code, text), (code2, text2)) in enumerate(zip(refused, forward, strict=True)):
+        assert code == 2 and f"error: [rank {rank}] ConfigError: --sequence-parallel over 2 devices per stage (2 " \
+            "processes / --stages 1) needs --seq-len divisible by 2, got 15; use 14 or 16, or drop " \
+            "--sequence-parallel\n" in text, text
+        assert code2 == 2 and f"error: [rank {rank}] SplitError: sequence parallelism over 2 devices needs a " \
+            "sequence length divisible by 2, got 15" in text2, text2
+        assert "removed" not in text + text2
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000002"]

@@ -69,7 +69,8 @@ def test_one_traceback_then_one_line_per_rank(ranks, tmp_path):
 
 def test_config_errors_print_the_line_alone_and_peers_name_the_first_rank(ranks):
     """No processes. ``traceback=False`` (the GPT job's configuration errors): the line on every rank, the first
-    still recorded; a rank stopped by a peer's failure names the rank that failed first."""
+    still recorded; a rank stopped by a peer's failure names the rank that failed first and says that its error
+    is one line (it printed no traceback to point to)."""
     exc = _raise(ValueError("--stages 3 does not divide the world size 4\nmore detail"))
     for r in (1, 0):
         want = f"error: [rank {r}] ValueError: --stages 3 does not divide the world size 4 [...]\n"
@@ -77,8 +78,8 @@ def test_config_errors_print_the_line_alone_and_peers_name_the_first_rank(ranks)
     peer = ranks(_raise(dist.DistBackendError("[../gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5123. "
                                               "More")), 3)
     assert re.fullmatch(r"error: \[rank 3\] stopped (at step \d+, .* )?because rank 1 failed first with ValueError "
-                        r"\(Connection closed by peer \[127.0.0.1\]:5123\); its error is printed once, as its own "
-                        r"traceback\n", peer), peer
+                        r"\(Connection closed by peer \[127.0.0.1\]:5123\); its error is printed by that rank, in one "
+                        r"line\n", peer), peer
 
 
 def test_ctrl_c_is_one_line_for_the_job(ranks):
@@ -140,6 +141,21 @@ def test_whale_launch_prints_one_traceback_for_an_error_on_every_rank(tmp_path):
     assert ranks == ["0", "1"], log
     first = re.search(r"raise_everywhere.py FAILED: rank (\d) failed first \(exit code 1\) with ValueError", log)
     assert first and re.search(rf"^error: \[rank {first.group(1)}\] ValueError: [^(]*$", log, re.M), log
+
+
+@pytest.mark.slow
+def test_a_bad_flag_is_one_line_per_rank_and_the_launcher_names_it(tmp_path):
+    """``whale launch -n 2 examples/gpt/train.py --schedule interleave``: no usage block, one ``error:`` line per
+    rank that got to print it (torchrun stops the other when the first exits) pointing to --help, and the launcher
+    names the rank and its ConfigError instead of saying it ended without reporting an error; exit code 2."""
+    (rc, log), = _run_launchers([["-n", "2", str(ROOT / "examples/gpt/train.py"), "--schedule", "interleave"]],
+                                tmp_path)
+    assert rc == 2 and "usage:" not in log, log
+    said = re.findall(r"^error: \[rank (\d)\] ConfigError: argument --schedule: unknown schedule 'interleave'; "
+                      r"choose gpipe, 1f1b, interleaved or zb \(see train.py --help\)$", log, re.M)
+    first = re.search(r"train.py FAILED: rank (\d) failed first \(exit code 2\) with ConfigError; its error is "
+                      r"printed above", log)
+    assert first and first.group(1) in said and len(said) == len(set(said)), log
 
 
 # ----------------------------------------------------------------------------------- launcher: cluster size

@@ -141,14 +141,14 @@ def _hf_args(*extra: str) -> list[str]:
                       "of 3"),
 ])
 def test_hf_example_refuses_bad_int_flags_in_one_line(flag, value, message, capsys):
-    """Every rank parses the flags: each prints the one line and exits 2 before any process group (no
-    processes)."""
+    """Every rank parses the flags: each prints the one line (no usage block) pointing to --help and exits 2
+    before any process group (no processes)."""
     from examples.hf.train import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(_hf_args(flag, value))
     assert exc.value.code == 2
-    assert re.fullmatch(rf"\S+: error: {re.escape(message)}", capsys.readouterr().err.splitlines()[-1])
+    assert re.fullmatch(rf"error: ConfigError: {re.escape(message)} \(see \S+ --help\)\n", capsys.readouterr().err)
     assert parse_args(_hf_args("--eval-every", "0")).eval_every == 0  # 0: evaluate at the start and end only
 
 
@@ -156,14 +156,14 @@ def test_hf_example_refuses_bad_int_flags_in_one_line(flag, value, message, caps
                                             ("--eval-every", "-1", 0), ("--micro-batches", "0", 1)])
 def test_gpt_example_refuses_bad_int_flags_in_one_line(flag, value, low, capsys):
     """The GPT job's int flags have the HF example's lower bounds (``--log-every 0`` and ``--eval-batches 0``
-    divided by zero): one argparse line naming the flag, the limit and the value, exit 2 (no processes)."""
+    divided by zero): one line naming the flag, the limit and the value, exit 2 (no processes)."""
     from examples.gpt.train import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args([flag, value])
     assert exc.value.code == 2
     expected = f"argument {flag}: must be an integer >= {low}, got {value}"
-    assert re.fullmatch(rf"\S+: error: {re.escape(expected)}", capsys.readouterr().err.splitlines()[-1])
+    assert re.fullmatch(rf"error: ConfigError: {re.escape(expected)} \(see \S+ --help\)\n", capsys.readouterr().err)
     assert parse_args(["--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "0"]).eval_every == 0
 
 

@@ -32,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 
 import whale as wh  # noqa: E402
 from examples.classification.model import build, num_params  # noqa: E402
+from examples.cli import Parser  # noqa: E402
 
 NUM_DIGITS = 10
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; the defaults train to > 90% held-out accuracy on 2 CPU processes in seconds."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = Parser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     a = p.add_argument
     a("--steps", type=int, default=150, help="optimizer steps")
     a("--batch-size", type=int, default=64, help="global batch (images per step, all ranks together)")

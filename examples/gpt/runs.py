@@ -27,8 +27,9 @@ def add_resume_args(p) -> None:
 def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, dict]:
     """Restore the newest intact checkpoint of the run in ``--ckpt-dir`` when ``--resume`` (or when torchrun
     restarted this job after a failure, ``TORCHELASTIC_RESTART_COUNT`` > 0, and the run there is this job's), else
-    claim the directory for a fresh run (another run's checkpoints refused, or removed by ``--overwrite``);
-    returns (start step, history)."""
+    claim the directory for a fresh run: another run's checkpoints there are refused now, before any work; under
+    ``--overwrite`` the claim, which removes them, waits for :func:`claim_fresh` after the job's first forward.
+    Returns (start step, history)."""
     ckpt_runs.refuse_step_dir(args.ckpt_dir)  # a step directory: new checkpoints would nest inside it
     restarted = ckpt_runs.restarted()
     newest = ckpt_runs.newest(args.ckpt_dir) if restarted else None
@@ -39,9 +40,8 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
         elif args.resume and not restarted and engine.rank == 0:  # said, so a mistyped --ckpt-dir is seen at once
             print(f"--resume: no checkpoint in {os.path.abspath(args.ckpt_dir)} yet: starting a new run at step 0",
                   flush=True)
-        note = wh.claim_checkpoint_dir(engine, args.ckpt_dir, overwrite=args.overwrite)
-        if note and engine.rank == 0:
-            print(note, flush=True)
+        if not args.overwrite:  # removes nothing: refused or claimed at once
+            claim_fresh(engine, args)
         return 0, {}
     extra = engine.load_checkpoint(args.ckpt_dir)
     batches.load_state_dict(extra["data"])
@@ -50,6 +50,18 @@ def maybe_resume(engine: wh.Engine, args, batches: TokenBatches) -> tuple[int, d
         where = Path(args.ckpt_dir) / ckpt_runs.store.step_name(int(extra["step"]))  # the one loaded
         print(f"resumed{why} from {where} at step {extra['step']}", flush=True)
     return int(extra["step"]), {k: v for k, v in extra.items() if k not in ("step", "data")}
+
+
+def claim_fresh(engine: wh.Engine, args) -> None:
+    """Make ``--ckpt-dir`` this fresh run's (``wh.claim_checkpoint_dir``; collective) unless the run already owns
+    it (resumed, or claimed by :func:`maybe_resume`); ``--overwrite`` removes another run's checkpoints here, said on
+    rank 0. A job calls it after its first forward (the held-out loss at step 0), so that a configuration that
+    only the model's forward refuses (a shape a split or sequence-parallel layer cannot cut) loses nothing."""
+    if engine.run_id is not None:
+        return
+    note = wh.claim_checkpoint_dir(engine, args.ckpt_dir, overwrite=args.overwrite)
+    if note and engine.rank == 0:
+        print(note, flush=True)
 
 
 def finished_summary(args, step: int, engine: wh.Engine) -> bool:

@@ -114,6 +114,19 @@ def add_split_args(p) -> None:
                         "and the residual stream on sequence shards; --seq-len must be a multiple of the split degree")
 
 
+def check_split_args(args, world_size: int) -> str | None:
+    """The one-line error of ``--sequence-parallel`` with a ``--seq-len`` its split degree does not divide (the
+    blocks are split over each stage's ``world_size // --stages`` devices, and every sequence is cut into that many
+    equal shards), or ``None``. Checked before the job trains or touches ``--ckpt-dir``: the shards are cut in the
+    first forward, too late to refuse the flags before ``--overwrite`` has removed the old run's checkpoints."""
+    n = max(1, world_size // args.stages)
+    if not args.sequence_parallel or args.seq_len % n == 0:
+        return None
+    lo = max(n, args.seq_len - args.seq_len % n)
+    return (f"--sequence-parallel over {n} devices per stage ({world_size} processes / --stages {args.stages}) "
+            f"needs --seq-len divisible by {n}, got {args.seq_len}; use {lo} or {lo + n}, or drop --sequence-parallel")
+
+
 def split_blocks(args) -> bool:
     """Whether the flags put the blocks under ``wh.split()``."""
     return bool(args.tensor_parallel or args.sequence_parallel)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 import whale as wh  # noqa: E402
+from examples.cli import Parser  # noqa: E402
 from examples.gpt.adaptive import Adaptive, add_adaptive_args, ckpt_every  # noqa: E402
 from examples.gpt.data import (  # noqa: E402
     DEFAULT_DATA_DIR,
@@ -49,6 +50,7 @@ from examples.gpt.report import bubble_report, finish, optimizer_state_bytes  # 
 from examples.gpt.runs import (  # noqa: E402
     add_elastic_args,
     add_resume_args,
+    claim_fresh,
     finished_summary,
     maybe_resume,
     note_membership,
@@ -57,14 +59,18 @@ from examples.gpt.runs import (  # noqa: E402
 from examples.gpt.scalars import Scalars  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least, checkpoint_spec, forbid_spec  # noqa: E402
-from examples.gpt.tensor_parallel import add_split_args, split_blocks  # noqa: E402 - registers the block rule
+from examples.gpt.tensor_parallel import (  # noqa: E402 - registers the block rule
+    add_split_args,
+    check_split_args,
+    split_blocks,
+)
 from whale.planner.balance import InfeasiblePlanError  # noqa: E402
 from whale.runtime import elastic, graceful  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit ``make train`` (4 CPU processes, 2 cores) in a few minutes."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     a = p.add_argument
     one, zero = at_least(1), at_least(0)
     a("--steps", type=one, default=600, help="optimizer steps in total (a resumed run continues to it)")
@@ -273,6 +279,9 @@ def run(argv: list[str] | None = None) -> None:
                             track_memory=True if args.track_memory else None, forbid=forbid_spec(args.forbid),
                             timeout_s=args.timeout, virtual_stages=args.virtual_stages,
                             sequence_parallel=args.sequence_parallel))
+    bad = check_split_args(args, ctx.world_size)
+    if bad:
+        raise wh.ConfigError(bad)
     paths = prepare_data(args, ctx.rank)
     batches = TokenBatches(load_tokens(paths["train"]), args.batch_size, args.seq_len, seed=args.seed)
     try:
@@ -318,6 +327,7 @@ def train(engine, args, batches, val_tokens, start: int, state: dict, scalars: S
     returns the last step (``state`` gets the history)."""
     if "val0" not in state:
         state["val0"] = evaluate(engine, val_tokens, args)
+    claim_fresh(engine, args)  # --overwrite: the old run's checkpoints go only now, after a forward of every stage
     if engine.rank == 0:
         print(f"step 0: held-out loss {state['val0']:.4f} (ln vocab = {math.log(args.vocab_size):.4f})"
               + (f"; resuming at step {start}" if start else ""))

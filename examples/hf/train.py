@@ -36,8 +36,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
 
 import whale as wh  # noqa: E402
+from examples.cli import Parser  # noqa: E402
 from examples.gpt.data import DEFAULT_DATA_DIR, TokenBatches, eval_batches, load_tokens  # noqa: E402
-from examples.gpt.runs import add_resume_args, maybe_resume  # noqa: E402
+from examples.gpt.runs import add_resume_args, claim_fresh, maybe_resume  # noqa: E402
 from examples.gpt.schedule import lr_at, lr_horizon, resume_note  # noqa: E402
 from examples.gpt.specs import at_least  # noqa: E402
 from examples.gpt.train import prepare_data, save  # noqa: E402
@@ -45,7 +46,7 @@ from examples.gpt.train import prepare_data, save  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; defaults fit 4 CPU processes on 2 cores in a few minutes."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     a = p.add_argument
     one, zero = at_least(1), at_least(0)
     a("--steps", type=one, default=200, help="optimizer steps in total (a resumed run continues to it)")
@@ -176,6 +177,7 @@ def run(argv: list[str] | None = None) -> dict:
         return {}
     if "val" not in state:  # a fresh run (a resumed one has its history)
         state.update(val=[[0, evaluate(engine, val_tokens, args)]], train_loss=[], train_time=0.0)
+    claim_fresh(engine, args)  # --overwrite: the old run's checkpoints go only now, after a forward of every stage
     end = min(args.steps, args.stop_after) if args.stop_after else args.steps
     state = train(engine, args, batches, val_tokens, start, end, state)
     save(engine, args, end, batches, state)

@@ -229,9 +229,10 @@ def _peer_line(exc: BaseException, rank: int, known: dict | None) -> str:
     none, because a peer died or stopped responding (the launcher names it); with this rank's step and phase."""
     step, phase = heartbeat.current()
     at = f" at step {step}, {phase}" if step else ""
-    if known is not None:
+    if known is not None:  # a configuration error (report_error(traceback=False)) is its one line, no traceback
+        how = "once, as its own traceback" if known.get("traceback") else "by that rank, in one line"
         return (f"error: [rank {rank}] stopped{at} because rank {known['rank']} failed first with "
-                f"{known['type']} ({_short(exc)}); its error is printed once, as its own traceback")
+                f"{known['type']} ({_short(exc)}); its error is printed {how}")
     path = _traceback_file(_traceback_text(exc, ""), rank)
     where = f"; traceback in {path}" if path else ""
     return (f"error: [rank {rank}] {type(exc).__name__}: a collective failed{at} ({_short(exc)}) and no rank "
