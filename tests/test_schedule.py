@@ -14,6 +14,7 @@ from whale.plan.schedule import (
     in_flight_micro_batches,
     make_schedule,
     max_in_flight,
+    pending_weight_passes,
     schedule_bubble,
     validate,
 )
@@ -116,3 +117,11 @@ def test_interleaved_printout_and_micro_batch_rule():
 def test_weight_pass_before_its_backward_is_rejected():
     with pytest.raises(ScheduleError, match="W0 comes before B0"):
         validate([[Action("F", 0), Action("W", 0), Action("B", 0)]], 1)
+
+
+def test_pending_weight_passes_counts_the_w_passes_a_zero_bubble_stage_lets_wait():
+    """ZB-H1 at p = 2, m = 4: stage 1 (``F0 B0 F1 B1 W0 ...``) runs B1 with W0 waiting, then both wait; stage 0's
+    W follows each B at once; schedules without W passes keep none."""
+    zb = make_schedule("ZB-H1", 2, 4)
+    assert [pending_weight_passes(zb[s]) for s in range(2)] == [(0, 1), (1, 2)]
+    assert pending_weight_passes(make_schedule("1F1B", 2, 4)[1]) == (0, 0)

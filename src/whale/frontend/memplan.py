@@ -14,6 +14,8 @@ that fit, placing the plan for each candidate with its rows and ZeRO shares chos
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from whale.cluster import ClusterSpec, memory_capacity
@@ -22,6 +24,8 @@ from whale.frontend.profile import ModelProfile
 from whale.memory.checkpointing import repeated_layers
 from whale.memory.host import host_memory_capacity
 from whale.plan.plan import Plan
+from whale.plan.schedule import pending_weight_passes
+from whale.plan.schedule_chunks import schedule_for
 from whale.planner.fit import fit_shares
 from whale.planner.hardware import apply_hardware
 from whale.planner.memory import (
@@ -154,9 +158,31 @@ def stage_memories(prof: ModelProfile, model: nn.Module, stage_params: list[set[
             gather_elements=_gathered(units, layers, trainable, pipelined, tied),
             reduce_elements=0 if pipelined else max((u.param_bytes // 4 for u in units if _inside(u.name, layers)),
                                                     default=0),
-            pipelined=pipelined, p2p_bytes=_p2p(stage_units, s),
+            pipelined=pipelined, p2p_bytes=_p2p(stage_units, s), frontier_bytes=sum(u.frontier_bytes for u in work),
             recompute_flops=sum(u.forward_flops for u in units if _inside(u.name, targets)),
             train_flops=sum(u.train_flops for u in work)))
+    return out
+
+
+def with_weight_passes(plan: Plan, stages: list[StageMemory]) -> list[StageMemory]:
+    """``stages`` with the gradients a zero-bubble schedule keeps for its waiting W passes in their backward peak
+    (:func:`whale.plan.schedule.pending_weight_passes` of each stage's actions): with ``during`` W passes waiting
+    while a B runs and ``after`` right after one, the peak is the larger of the B's own (``backward_bytes``)
+    plus ``during`` frontiers, and the kept activations plus ``after`` frontiers. Stage 0 keeps none: its inputs
+    need no gradient, so its B is empty and its W is the whole backward (:mod:`whale.parallel.pipeline`).
+    Unchanged for schedules without W passes."""
+    if plan.schedule != "ZB-H1":
+        return stages
+    actions = schedule_for(plan.schedule, plan.num_stages, plan.num_micro_batch, plan.virtual_stages,
+                           plan.chunk_positions)
+    out = []
+    for s, st in enumerate(stages):
+        during, after = pending_weight_passes(actions[s]) if s > 0 else (0, 0)
+        f = st.frontier_bytes
+        out.append(dataclasses.replace(
+            st, backward_bytes=max(st.backward_bytes + during * f, st.activation_bytes + after * f),
+            checkpointed_backward_bytes=max(st.checkpointed_backward_bytes + during * f,
+                                            st.checkpointed_bytes + after * f)))
     return out
 
 
@@ -172,6 +198,7 @@ def fit_memory(plan: Plan, cluster: ClusterSpec, stages: list[StageMemory], glob
         InfeasiblePlanError: no allowed combination fits (names the closest one, the rank, its device, the bytes
             and the fixes that apply).
     """
+    stages = with_weight_passes(plan, stages)
     capacity = [memory_capacity(cluster, r) for r in range(plan.world_size)]
     host = [host_memory_capacity(cluster, r) for r in range(plan.world_size)]
     keep = config.load_shares is not None

@@ -99,6 +99,9 @@ class UnitProfile:
         transient_bytes: most bytes of backward temporaries per sample alive while the unit's backward runs
             (gradients of activations, workspaces; :mod:`whale.frontend.transient`), counted from the whole
             model's backward start; ``entry_bytes``: those alive when the unit's backward starts.
+        frontier_bytes: bytes per sample of the outputs of the unit's modules that hold parameters directly
+            (a Linear, a LayerNorm): the gradients a zero-bubble B pass keeps there for its W pass
+            (:mod:`whale.parallel.weight_grad`).
     """
 
     name: str
@@ -112,6 +115,7 @@ class UnitProfile:
     output_bytes: float
     transient_bytes: float = 0.0
     entry_bytes: float = 0.0
+    frontier_bytes: float = 0.0
 
     @property
     def train_flops(self) -> float:
@@ -265,6 +269,7 @@ class _Recorder:
         self.seen = {t.untyped_storage()._cdata for t in static}
         self.act = dict.fromkeys([*units, "<rest>"], 0)
         self.out = dict.fromkeys([*units, "<rest>"], 0)
+        self.front = dict.fromkeys([*units, "<rest>"], 0)
         self.order: dict[str, None] = {}  # units in the order forward first calls them
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,8 +280,16 @@ class _Recorder:
             self.act[self.stack[-1]] += st.nbytes()
         return t
 
-    def hooks(self, stack: ExitStack) -> None:
-        """Install the per-unit forward hooks on ``stack``."""
+    def hooks(self, stack: ExitStack, model: nn.Module) -> None:
+        """Install the per-unit forward hooks on ``stack``, after those of ``model``'s modules holding parameters
+        (registered first, so they run while their unit is still entered)."""
+        def front(_m, _a, out) -> None:
+            """Forward hook of a module holding parameters: its outputs' bytes (a W pass's frontier)."""
+            self.front[self.stack[-1]] += _nbytes(out)
+
+        for mod in model.modules():  # not the root's own (a position table): its output is the model's
+            if mod is not model and any(p.requires_grad for p in mod.parameters(recurse=False)):
+                stack.callback(mod.register_forward_hook(front).remove)
         for name, mod in self.units.items():
             def pre(_m, _a, name=name) -> None:
                 """Forward pre-hook: enter the unit."""
@@ -286,12 +299,16 @@ class _Recorder:
             def post(_m, _a, out, name=name) -> None:
                 """Forward hook: leave the unit."""
                 self.stack.pop()
-                self.out[name] += sum(x.numel() * x.element_size() for x in tree_flatten(out)[0]
-                                      if isinstance(x, torch.Tensor))
+                self.out[name] += _nbytes(out)
 
             stack.callback(mod.register_forward_pre_hook(pre).remove)
             stack.callback(mod.register_forward_hook(post).remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t))
+
+
+def _nbytes(out) -> int:
+    """Bytes of the tensors in ``out`` (any nesting)."""
+    return sum(x.numel() * x.element_size() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
 
 
 def _run(model, units, params, inputs, batch_size, device, loss_fn, fake_mode):
@@ -307,7 +324,7 @@ def _run(model, units, params, inputs, batch_size, device, loss_fn, fake_mode):
         transients = BackwardTransients(units, list(fakes.values()), stack)
         counter = stack.enter_context(flop_counter_mode())
         with ExitStack() as fwd:
-            rec.hooks(fwd)
+            rec.hooks(fwd, model)
             out = torch.func.functional_call(model, fakes, args, kwargs, tie_weights=True)
             loss = loss_fn(out, *args, *kwargs.values()) if loss_fn is not None else sum(
                 x.float().sum() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor) and x.requires_grad)
@@ -372,7 +389,7 @@ def profile_model(model: nn.Module, inputs: Callable[[int], Any] | Sequence[Inpu
             a = flops(total, "Global") - sum(flops(total, f"{root}.{u}") for u in unit_mods)
         else:
             f, a = flops(fwd, key), flops(total, key)
-        per = [rec.act[name], rec.out[name], rec.transient.get(name, 0), rec.entry.get(name, 0)]
+        per = [rec.act[name], rec.out[name], rec.transient.get(name, 0), rec.entry.get(name, 0), rec.front[name]]
         return UnitProfile(name, f / batch_size, (a - f) / batch_size, *state[name], *(x / batch_size for x in per))
 
     # in the order forward calls them (a rotary embedding registered last but called first comes first), so

@@ -292,6 +292,22 @@ def max_in_flight(actions: list[Action], chunk_sizes: list[float] | None = None)
     return peak
 
 
+def pending_weight_passes(actions: list[Action]) -> tuple[int, int]:
+    """``(most W passes waiting while a B runs, most waiting right after a B)`` in one stage's actions: the
+    micro-batches whose B is done and whose W is not (each keeps the gradients its W starts from); ``(0, 0)``
+    without W actions. ZB-H1's stage 1 of 2, ``F0 B0 F1 B1 W0 ...``: B1 runs with W0 waiting, then both wait:
+    ``(1, 2)``."""
+    waiting, during, after = set(), 0, 0
+    for a in actions:
+        if a.kind == "B":
+            during = max(during, len(waiting))
+            waiting.add((a.chunk, a.mb))
+            after = max(after, len(waiting))
+        elif a.kind == "W":
+            waiting.discard((a.chunk, a.mb))
+    return (during, after) if any(a.kind == "W" for a in actions) else (0, 0)
+
+
 def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batch: int,
                             schedule: ScheduleName = "1F1B", virtual_stages: int = 1) -> float:
     """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at once, in units of

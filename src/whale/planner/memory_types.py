@@ -41,6 +41,9 @@ class StageMemory:
             with a neighbouring stage, three messages of the boundary's size (a receive posted ahead, the
             message being consumed, a send not yet complete: :mod:`whale.parallel.p2p`; measured in
             ``benchmarks/memory.py``).
+        frontier_bytes: bytes per sample of the outputs of the stage's modules holding parameters: the
+            gradients a zero-bubble B pass keeps for its W pass, per micro-batch whose W waits
+            (:func:`whale.frontend.memplan.with_weight_passes` adds them to ``backward_bytes``).
     """
 
     trainable_elements: int
@@ -57,6 +60,7 @@ class StageMemory:
     train_flops: float = 0.0
     pipelined: bool = False
     p2p_bytes: float = 0.0
+    frontier_bytes: float = 0.0
 
 
 @dataclass(frozen=True, order=True)
@@ -93,4 +97,5 @@ def merge_chunks(chunks: list[StageMemory]) -> StageMemory:
                                                for c in chunks),
         gather_elements=max(c.gather_elements for c in chunks), reduce_elements=max(c.reduce_elements for c in chunks),
         recompute_flops=sum(c.recompute_flops for c in chunks), train_flops=sum(c.train_flops for c in chunks),
-        pipelined=any(c.pipelined for c in chunks), p2p_bytes=sum(c.p2p_bytes for c in chunks))
+        pipelined=any(c.pipelined for c in chunks), p2p_bytes=sum(c.p2p_bytes for c in chunks),
+        frontier_bytes=sum(c.frontier_bytes for c in chunks))

@@ -29,7 +29,8 @@ class GradientUpdate:
                 and self.precision.scaler is None)  # fp16: the loss's all-reduce also carries the overflow flag
 
     def _loss_early(self) -> bool:
-        """Whether pipeline stage 0 starts the loss all-reduce in its last backward (the same on every rank)."""
+        """Whether pipeline stage 0 starts the loss all-reduce before its last backward, while it waits for that
+        backward's output gradients (the same on every rank)."""
         return self.plan.is_pipeline and not self.plan.shared_params and self.precision.scaler is None
 
     @functools.cached_property
